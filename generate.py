@@ -1,0 +1,350 @@
+"""Generation with a static KV cache: prefill, then one compiled token at a time.
+
+    python generate.py --prompt "Tell me about Paris"              # the bundled SmolLM2-135M-Instruct
+    python generate.py --checkpoint_path checkpoints/X/model.safetensors --compile
+"""
+
+import argparse
+import contextlib
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from checkpoint import check_checkpoint_path, default_checkpoint, load_config, read_safetensors
+from model import Transformer, UserError
+from tokenizer import Tokenizer, load_tokenizer
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_model(checkpoint_path: Path | str | None = None, device: str | None = None,
+               precision: str = "bf16") -> Transformer:
+    """Build the model on the meta device and load the weights into it in place (`assign=True`),
+    so no randomly initialized copy ever exists. None means the bundled model."""
+    checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
+    check_checkpoint_path(checkpoint_path)
+    device = device or default_device()
+    config = load_config(checkpoint_path)
+    state_dict, _ = read_safetensors(checkpoint_path, device)
+    dtype = PRECISIONS[precision]
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if config.tie_embeddings:
+        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
+    with torch.device("meta"):
+        model = Transformer(config)
+    try:
+        model.load_state_dict(state_dict, assign=True)
+    except RuntimeError as e:
+        raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
+                        f"{str(e).splitlines()[1].strip()}")
+    if config.tie_embeddings:  # assign=True replaced the tied parameter: tie it again
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def get_tokenizer(checkpoint_path: Path | str | None = None) -> Tokenizer:
+    """The tokenizer stored beside a checkpoint (None: the bundled model's)."""
+    return load_tokenizer(Path(checkpoint_path or default_checkpoint()).parent)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and decoding
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None) -> Tensor:
+    """logits: (B, V) -> probabilities (B, V) after temperature, top-k and nucleus (top-p) filtering."""
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p; the top one always stays
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None) -> Tensor:
+    """logits: (B, V) -> next tokens (B, 1). Temperature 0 is exact argmax."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # argmax(p / Exp(1)) draws from p without the host sync of torch.multinomial
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
+
+
+def prefill(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, **sampling) -> Tensor:
+    """idx: (B, T) right-padded prompts; input_pos: (T,); last: (B,) index of each prompt's last token.
+    Fills the cache and returns the first new token of each row, (B, 1)."""
+    logits = model(idx, input_pos)  # (B, T, V)
+    return sample(logits[torch.arange(idx.shape[0], device=idx.device), last], **sampling)
+
+
+def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, **sampling) -> Tensor:
+    """cur_token: (B, 1); input_pos: (B, 1), each row's own position. Returns the next tokens (B, 1)."""
+    logits = model(cur_token, input_pos)  # (B, 1, V)
+    return sample(logits[:, -1], **sampling)
+
+
+class CPUDecodeLinear(nn.Linear):
+    """nn.Linear whose one-row product, when compiled on CPU, becomes a multiply-and-sum that inductor
+    turns into one vectorized loop: it reads a bf16 weight about twice as fast as the BLAS call that
+    aten.mm makes at M=1 (scripts/benchmark.py measures both). Eager and many-row calls stay F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+            return (x.unsqueeze(-2).float() * self.weight.float()).sum(-1).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def compile_functions(model: Transformer, dynamic_prefill: bool = False):
+    """Compile decoding (CUDA graphs on GPU) and, optionally, prefill for any prompt length."""
+    global decode_one_token, prefill
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu":
+            module.__class__ = CPUDecodeLinear  # same parameters, another forward
+    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    if dynamic_prefill:
+        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             stop_ids: list[int] | None = None, callback=None) -> Tensor | list[Tensor]:
+    """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
+    Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
+    token. callback(tokens (B,)) sees each step's tokens, e.g. for streaming."""
+    single = isinstance(prompt_tokens, Tensor)
+    prompts = [prompt_tokens] if single else list(prompt_tokens)
+    check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    B = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    T = int(lengths.max())
+    model.setup_caches(max_batch_size=B, max_seq_length=padded_length(T + max_new_tokens))
+
+    # Right-pad and prefill from position 0: each row's cache then holds exactly its own prompt; the
+    # padding's cache entries lie beyond the row's position and are overwritten as it decodes.
+    idx = torch.zeros(B, T, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        idx[i, : len(p)] = p.to(device)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    next_token = prefill(model, idx, torch.arange(T, device=device), lengths - 1, **sampling).clone()
+    new_tokens = [next_token]
+    input_pos = lengths.unsqueeze(1)  # (B, 1)
+    stops = torch.tensor(stop_ids or [], device=device)
+    done = torch.isin(next_token, stops)
+    if callback:
+        callback(next_token[:, 0])
+    for step in range(1, max_new_tokens):
+        # clone: CUDA graphs reuse their output buffers on the next replay
+        next_token = decode_one_token(model, next_token, input_pos, **sampling).clone()
+        input_pos = input_pos + 1
+        new_tokens.append(next_token)
+        if callback:
+            callback(next_token[:, 0])
+        if stop_ids:
+            done |= torch.isin(next_token, stops)
+            if step % 8 == 0 and done.all():  # look at the host only now and then: it waits for the GPU
+                break
+
+    new_tokens = torch.cat(new_tokens, dim=1).cpu()  # (B, generated)
+    outputs = []
+    for p, row in zip(prompts, new_tokens):
+        if stop_ids:
+            hits = torch.isin(row, torch.tensor(stop_ids)).nonzero()
+            row = row[: hits[0, 0] + 1] if len(hits) else row
+        outputs.append(torch.cat([p.cpu(), row]))
+    return outputs[0] if single else outputs
+
+
+def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p):
+    if not prompts:
+        raise UserError("no prompts given")
+    if any(p.ndim != 1 or len(p) == 0 for p in prompts):
+        raise UserError("each prompt must be a non-empty 1-D tensor of token ids")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def padded_length(n: int) -> int:
+    """Cache length for n positions, rounded up to a multiple of 64 so that nearby lengths share
+    one compiled decode graph."""
+    return (n + 63) // 64 * 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights read to decode one token: the state dict (caches are not in it), tied tensors
+    once, and no untied embedding table, of which a step reads only one row."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    if not model.config.tie_embeddings:
+        tensors.pop(model.tok_embeddings.weight.data_ptr())
+    return sum(t.nbytes for t in tensors.values())
+
+
+def peak_memory_gb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
+
+
+def synchronize(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(args):
+    device = args.device or default_device()
+    if args.compile and device == "cpu" and not torch._inductor.cpp_builder.get_cpp_compiler():
+        raise UserError("--compile on CPU needs a C++ compiler (gcc or clang) on PATH")
+    if args.batch_size < 1 or args.num_samples < 1:
+        raise UserError("--batch_size and --num_samples must be at least 1")
+    t0 = time.perf_counter()
+    model = load_model(args.checkpoint_path, device, args.precision)
+    tokenizer = get_tokenizer(args.checkpoint_path)
+    synchronize(device)
+    print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if args.compile:
+        compile_functions(model, dynamic_prefill=args.compile_prefill)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.interactive:
+        return chat(model, tokenizer, args.max_new_tokens, sampling)
+
+    if not args.prompt:
+        raise UserError("the prompt is empty")
+    chat = tokenizer.chat_format is not None if args.chat is None else args.chat
+    prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=chat), dtype=torch.long)
+    if len(prompt) + args.max_new_tokens > model.config.block_size:
+        raise UserError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens}) exceed the "
+                        f"model's context length {model.config.block_size}")
+    weight_bytes = weight_bytes_per_token(model)
+    # the first sample compiles; when compiling, a warm-up sample is run and not counted
+    for i in range(-1 if args.compile else 0, args.num_samples):
+        synchronize(device)
+        t0 = time.perf_counter()
+        profiling = args.profile and i == args.num_samples - 1
+        with profiler(args.profile) if profiling else contextlib.nullcontext():
+            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        if i < 0:
+            print(f"Compilation (warm-up sample) took {seconds:.2f} s", file=sys.stderr)
+            continue
+        print(tokenizer.decode(outputs[0].tolist()))
+        new = sum(len(o) - len(prompt) for o in outputs)
+        print(f"Sample {i + 1}: {new} tokens in {seconds:.2f} s, {new / seconds:.2f} tok/s "
+              f"({args.batch_size} x {new // args.batch_size}), "
+              f"bandwidth {weight_bytes * new / args.batch_size / seconds / 1e9:.2f} GB/s, "
+              f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def profiler(path: str):
+    with torch.profiler.profile() as prof:
+        yield
+    prof.export_chrome_trace(path)
+    print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
+
+
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict):
+    """A multi-turn chat in the model's template, printing tokens as they come."""
+    if tokenizer.chat_format is None:
+        raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
+    messages = []
+    while True:
+        try:
+            user = input("You: ").strip()
+        except EOFError:
+            return
+        if not user:
+            continue
+        messages.append({"role": "user", "content": user})
+        prompt = torch.tensor(tokenizer.encode_dialog(messages), dtype=torch.long)
+        budget = min(max_new_tokens, model.config.block_size - len(prompt))
+        if budget < 1:
+            raise UserError("the dialog has reached the model's context length")
+        new, printed = [], ""
+        print("Assistant: ", end="", flush=True)
+
+        def stream(tokens: Tensor):
+            nonlocal printed
+            new.append(int(tokens[0]))
+            text = tokenizer.decode([t for t in new if t not in tokenizer.stop_ids])
+            print(text[len(printed):], end="", flush=True)
+            printed = text
+
+        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **sampling)
+        print()
+        messages.append({"role": "assistant", "content": printed})
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help="model.safetensors of a converted checkpoint (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default="Tell me about Paris")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when it has one)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat, streaming the answers")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (exact argmax)")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
+    p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--profile", default=None, metavar="TRACE.json", help="write a torch profiler trace of the last sample")
+    args = p.parse_args(argv)
+    if args.compile_prefill and not args.compile:
+        p.error("--compile_prefill goes with --compile")
+    return args
+
+
+def run_cli(main, args):
+    """Run a CLI's main, turning user errors into one line on stderr and exit code 1."""
+    try:
+        main(args)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args())

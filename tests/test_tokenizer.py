@@ -1,0 +1,305 @@
+import base64
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from pydoc_data.topics import topics
+
+from model import UserError
+from tokenizer import chat_format_from_template, load_tokenizer
+
+TEXT = [line for topic in topics.values() for line in topic.splitlines() if line.strip()][:800]
+MIXED = "Hello, world! The 3 quick foxes: naïve café, 日本語 🙂\n\tindented  two  spaces "
+
+# Chat templates as they read after json.load of the model repos' tokenizer_config.json.
+LLAMA2_TEMPLATE = (  # meta-llama/Llama-2-7b-chat-hf
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+LLAMA3_TEMPLATE = (  # meta-llama/Meta-Llama-3-8B-Instruct
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+SMOLLM2_TEMPLATE = (  # HuggingFaceTB/SmolLM2-135M-Instruct
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN25_TEMPLATE = (  # Qwen/Qwen2.5-0.5B-Instruct, its tools branch cut short
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
+    "{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+)
+LLAMA31_SNIPPET = "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n{%- if builtin_tools is defined %}"
+MISTRAL_SNIPPET = "{{ bos_token }}{% for message in messages %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+GEMMA_SNIPPET = "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+
+DIALOG = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": " Hello! How can I help? "},
+    {"role": "user", "content": "Tell me a joke."},
+]
+
+
+def render(template: str, messages: list[dict], **tokens) -> str:
+    """The prompt text transformers' apply_chat_template renders."""
+    jinja2 = pytest.importorskip("jinja2.sandbox")
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env = jinja2.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **tokens)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(autouse=True)
+def no_tiktoken_cache(monkeypatch):
+    # load_tiktoken_bpe caches every file it reads under /tmp, keyed by path: no stale copies, no leftovers.
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(tmp_path_factory) -> Path:
+    spm = pytest.importorskip("sentencepiece")
+    prefix = tmp_path_factory.mktemp("sp") / "tokenizer"
+    # Llama 2's settings: BPE, byte fallback, text kept as is.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, minloglevel=2,
+    )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="session")
+def tiktoken_model(tmp_path_factory) -> Path:
+    """Llama-3-style tokenizer.model: base64 token and rank per line, the 256 bytes then a few merges."""
+    tokens = [bytes([b]) for b in range(256)] + [b"th", b"the", b" t", b" the", b"in", b"ing", b" a"]
+    path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_json(tmp_path_factory) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(TEXT, trainer)
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def checkpoint(tmp_path: Path, tokenizer_file: Path, **configs: dict) -> Path:
+    """A checkpoint directory with a copy of tokenizer_file and the given {name}.json files."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    for name, data in configs.items():
+        write_json(tmp_path / f"{name}.json", data)
+    return tmp_path
+
+
+def test_sentencepiece(tmp_path, sentencepiece_model):
+    tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model))
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos, tok.chat_format) == (1, 2, [2], True, None)
+    assert tok.vocab_size == 400
+    ids = tok.encode(MIXED)
+    assert tok.bos_id not in ids and tok.decode(ids) == MIXED
+    assert tok.encode("Hi<s>there</s>") == tok.encode("Hi") + [1] + tok.encode("there") + [2]
+    assert tok.encode_prompt("Hi") == [1] + tok.encode("Hi")
+    with pytest.raises(UserError, match="no chat format"):
+        tok.encode_prompt("Hi", chat=True)
+    with pytest.raises(UserError, match="chat"):
+        tok.encode_prompt("Hi", system="Be brief")
+
+
+def test_llama2_chat(tmp_path, sentencepiece_model):
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": LLAMA2_TEMPLATE}
+    tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model, tokenizer_config=config))
+    assert tok.chat_format == "llama2" and tok.stop_ids == [2]
+
+    ids = tok.encode_prompt("Hi there ", chat=True, system="Be brief.")
+    assert ids == [1] + tok.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi there [/INST]")
+    assert ids == tok.encode(render(LLAMA2_TEMPLATE, [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi there "}],
+                                    bos_token="<s>", eos_token="</s>"))
+
+    ids = tok.encode_dialog(DIALOG)
+    first = [1] + tok.encode("[INST] Hi there [/INST] Hello! How can I help? ") + [2]
+    assert ids == first + [1] + tok.encode("[INST] Tell me a joke. [/INST]")
+    assert ids == tok.encode(render(LLAMA2_TEMPLATE, DIALOG, bos_token="<s>", eos_token="</s>"))
+    with pytest.raises(UserError, match="in turn"):
+        tok.encode_dialog(DIALOG[:2])
+
+
+def test_tiktoken_llama3(tmp_path, tiktoken_model):
+    n = 263  # 256 bytes + 7 merges
+    generation_config = {"eos_token_id": [n + 1, n + 8, n + 9]}  # as Llama-3.1-Instruct's 128001, 128008, 128009
+    tok = load_tokenizer(checkpoint(tmp_path, tiktoken_model, generation_config=generation_config))
+    enc = tok.backend.enc
+    assert tok.vocab_size == n + 256
+    assert [enc.encode_single_token(t) for t in
+            ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|start_header_id|>",
+             "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|reserved_special_token_2|>",
+             "<|reserved_special_token_246|>"]] == [n, n + 1, n + 2, n + 6, n + 7, n + 8, n + 9, n + 11, n + 255]
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.chat_format) == (n, n + 1, True, "llama3")
+    assert tok.stop_ids == [n + 1, n + 9, n + 8]  # eos, <|eot_id|>, the rest of generation_config's
+
+    ids = tok.encode(MIXED)
+    assert max(ids) < n and tok.decode(ids) == MIXED
+    assert enc.decode(tok.encode("the thing")) == "the thing" and len(tok.encode("the thing")) < len("the thing")
+    assert tok.encode("a<|eot_id|>b") == [ord("a"), n + 9, ord("b")]
+    assert tok.decode([ord("a"), n + 9, ord("b")]) == "ab"
+
+    system = {"role": "system", "content": "Be brief."}
+    ids = tok.encode_prompt(" Hi there\n", chat=True, system="Be brief.")
+    expected = render(LLAMA3_TEMPLATE, [system, {"role": "user", "content": " Hi there\n"}],
+                      bos_token="<|begin_of_text|>")
+    assert enc.decode(ids) == expected == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert ids == tok.encode(expected) and ids.count(n + 6) == 3
+    assert enc.decode(tok.encode_dialog(DIALOG)) == render(LLAMA3_TEMPLATE, DIALOG, bos_token="<|begin_of_text|>")
+
+
+def test_chatml_smollm2(tmp_path, hf_tokenizer_json):
+    config = {"bos_token": {"content": "<|im_start|>", "special": True}, "eos_token": "<|im_end|>",
+              "chat_template": SMOLLM2_TEMPLATE}
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
+    im_start, im_end = tok.encode("<|im_start|><|im_end|>")
+    assert (im_start, im_end) == (1, 2)
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos, tok.chat_format) == (1, 2, [2], False, "chatml")
+    assert tok.vocab_size == 400
+
+    ids = tok.encode(MIXED)
+    assert tok.decode(ids) == MIXED
+    assert tok.encode_prompt("Hi") == tok.encode("Hi")  # SmolLM2 takes no BOS
+    assert tok.decode(tok.encode("x<|im_end|>y")) == "xy"
+
+    def text(ids):
+        return tok.backend.tok.decode(ids, skip_special_tokens=False)
+
+    ids = tok.encode_prompt("Hi", chat=True)
+    assert text(ids) == render(SMOLLM2_TEMPLATE, [{"role": "user", "content": "Hi"}]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.encode_prompt("Hi", chat=True, system="Be brief.")
+    assert ids == tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert ids.count(im_start) == 3 and ids.count(im_end) == 2
+    assert text(tok.encode_dialog(DIALOG)) == render(SMOLLM2_TEMPLATE, DIALOG)
+
+
+def test_chatml_without_tokenizer_config(tmp_path, hf_tokenizer_json):
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, generation_config={"eos_token_id": 0}))
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos, tok.chat_format) == (None, 0, [0, 2], False, "chatml")
+    assert tok.backend.tok.decode(tok.encode_prompt("Hi", chat=True), skip_special_tokens=False) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # no default system message
+    )
+    with pytest.raises(UserError, match="end-of-text"):
+        load_tokenizer(checkpoint(tmp_path / "no_eos", hf_tokenizer_json))
+
+
+def test_default_system_message_from_template(tmp_path, hf_tokenizer_json):
+    config = {"eos_token": "<|im_end|>", "chat_template": QWEN25_TEMPLATE}
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
+    assert tok.chat_format == "chatml"
+    assert tok.default_system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+    # Newer transformers save the template to chat_template.jinja instead.
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_text(SMOLLM2_TEMPLATE)
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, generation_config={"eos_token_id": 2}))
+    assert tok.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def test_bos_from_tokenizer_json_post_processor(tmp_path, hf_tokenizer_json):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(hf_tokenizer_json))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    write_json(tmp_path / "tokenizer_config.json", {"eos_token": "<|endoftext|>"})
+    tok = load_tokenizer(tmp_path)
+    assert (tok.bos_id, tok.add_bos) == (0, True)
+    assert tok.encode_prompt("Hi") == [0] + tok.encode("Hi")
+
+    write_json(tmp_path / "tokenizer_config.json", {"eos_token": "<|endoftext|>", "add_bos_token": False})
+    assert load_tokenizer(tmp_path).encode_prompt("Hi") == tok.encode("Hi")
+
+
+def test_tokenizer_json_preferred(tmp_path, hf_tokenizer_json, sentencepiece_model):
+    (tmp_path / "tokenizer.model").write_bytes(sentencepiece_model.read_bytes())
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config={"eos_token": "<|im_end|>"}))
+    assert tok.encode("<|im_start|>") == [1]
+
+
+@pytest.mark.parametrize("template, chat_format", [
+    (LLAMA2_TEMPLATE, "llama2"),
+    (MISTRAL_SNIPPET, "llama2"),
+    (LLAMA3_TEMPLATE, "llama3"),
+    (LLAMA31_SNIPPET, "llama3"),
+    (SMOLLM2_TEMPLATE, "chatml"),
+    (QWEN25_TEMPLATE, "chatml"),
+    (GEMMA_SNIPPET, None),
+    ("", None),
+    (None, None),
+])
+def test_chat_format_from_template(template, chat_format):
+    assert chat_format_from_template(template) == chat_format
+
+
+def test_missing_tokenizer(tmp_path):
+    write_json(tmp_path / "config.json", {})
+    with pytest.raises(UserError, match="no tokenizer") as error:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path) in str(error.value) and "scripts/download.py" in str(error.value)
+
+
+def test_unreadable_tokenizer_model(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x03not a model\nnor base64 ranks\n")
+    with pytest.raises(UserError, match="neither a SentencePiece model nor tiktoken"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("module, fixture", [
+    ("tokenizers", "hf_tokenizer_json"), ("tiktoken", "tiktoken_model"), ("sentencepiece", "sentencepiece_model"),
+])
+def test_missing_optional_library(tmp_path, monkeypatch, request, module, fixture):
+    path = checkpoint(tmp_path, request.getfixturevalue(fixture), tokenizer_config={"eos_token": "<|im_end|>"})
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(UserError, match=f"pip install {module}"):
+        load_tokenizer(path)
