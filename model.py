@@ -49,8 +49,10 @@ class ModelArgs:
             raise UserError("checkpoints with attention or MLP biases are not Llama-architecture; not supported")
         if config.get("hidden_act", "silu") != "silu":
             raise UserError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
+        rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta and scaling here
+        rope_scaling = config.get("rope_scaling") or rope
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
             raise UserError(f"rope_scaling {rope_scaling} is not supported (only Llama-3.1's 'llama3' type)")
         n_head = config["num_attention_heads"]
         return cls(
@@ -62,9 +64,9 @@ class ModelArgs:
             intermediate_size=config["intermediate_size"],
             n_local_heads=config.get("num_key_value_heads") or n_head,
             head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
-            rope_base=config.get("rope_theta", 10000.0),
+            rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
             norm_eps=config["rms_norm_eps"],
-            rope_scaling=rope_scaling,
+            rope_scaling=rope_scaling if rope_type == "llama3" else None,
             tie_embeddings=config.get("tie_word_embeddings", False),
         )
 
