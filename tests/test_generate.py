@@ -1,0 +1,146 @@
+"""Generation: batches, compiled decoding, sampling, and what the CLI says to bad input."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate as gen
+from checkpoint import CONFIG_NAME
+from generate import generate, get_tokenizer, load_model, logits_to_probs, sample
+from model import UserError
+
+PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time, in a small village by the sea,"]
+
+
+def encode(checkpoint, texts):
+    tokenizer = get_tokenizer(checkpoint)
+    return [torch.tensor(tokenizer.encode(t)) for t in texts]
+
+
+def test_batch_of_different_prompts_equals_each_alone(model_fp32, bundled_checkpoint):
+    prompts = encode(bundled_checkpoint, PROMPTS)
+    assert len({len(p) for p in prompts}) == len(prompts)
+    batch = generate(model_fp32, prompts, 16, temperature=0)
+    for prompt, row in zip(prompts, batch):
+        alone = generate(model_fp32, prompt, 16, temperature=0)
+        assert row.tolist() == alone.tolist()
+        assert row[: len(prompt)].tolist() == prompt.tolist()
+
+
+def test_per_row_positions_match_shared_positions(model_fp32):
+    """forward with input_pos (B, T) equals forward with the same positions as (T,)."""
+    ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
+    model_fp32.setup_caches(2, 64)
+    with torch.no_grad():
+        shared = model_fp32(ids, torch.arange(6))
+        model_fp32.setup_caches(2, 128)
+        per_row = model_fp32(ids, torch.arange(6).expand(2, 6))
+    torch.testing.assert_close(shared, per_row)
+
+
+def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
+    model = load_model(bundled_checkpoint, "cpu", "bf16")
+    prompt = encode(bundled_checkpoint, PROMPTS[2:])[0]
+    eager = generate(model, prompt, 24, temperature=0)
+    monkeypatch.setattr(gen, "decode_one_token", gen.decode_one_token)  # restored after the test
+    monkeypatch.setattr(gen, "prefill", gen.prefill)
+    gen.compile_functions(model)
+    compiled = generate(model, prompt, 24, temperature=0)
+    assert compiled.tolist() == eager.tolist()
+    # a second call reuses the compiled graph and the cache
+    assert generate(model, prompt, 24, temperature=0).tolist() == eager.tolist()
+
+
+def test_stop_tokens_end_each_row(model_fp32, bundled_checkpoint):
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    prompt = torch.tensor(tokenizer.encode_prompt("What is 2+2?", chat=True))
+    full = generate(model_fp32, prompt, 64, temperature=0)
+    stopped = generate(model_fp32, prompt, 64, temperature=0, stop_ids=tokenizer.stop_ids)
+    new = stopped[len(prompt):].tolist()
+    assert new[-1] in tokenizer.stop_ids and not set(new[:-1]) & set(tokenizer.stop_ids)
+    assert full[: len(stopped)].tolist() == stopped.tolist()
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert sample(logits, temperature=0).item() == 0
+    probs = logits_to_probs(logits, temperature=1.0, top_k=2)
+    assert (probs[0, 2:] == 0).all() and probs[0, :2].sum().item() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    # nucleus: the smallest prefix of the sorted tokens whose mass reaches top_p
+    probs = logits_to_probs(logits, temperature=1.0, top_p=float(full[:2].sum()) + 1e-3)
+    assert (probs[0, :3] > 0).all() and (probs[0, 3:] == 0).all()
+    probs = logits_to_probs(logits, temperature=1.0, top_p=1e-6)
+    assert probs[0, 0] == 1.0
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0]]).repeat(20000, 1)
+    counts = torch.bincount(sample(logits, temperature=1.0)[:, 0], minlength=4).float()
+    torch.testing.assert_close(counts / counts.sum(), logits[0].softmax(-1), atol=0.015, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(model_fp32, bundled_checkpoint):
+    prompt = encode(bundled_checkpoint, PROMPTS[:1])[0]
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        outs.append(generate(model_fp32, prompt, 12, temperature=0.8, top_k=50, top_p=0.95).tolist())
+    assert outs[0] == outs[1]
+
+
+def test_generate_rejects_bad_arguments(model_fp32):
+    prompt = torch.tensor([1, 2, 3])
+    for kwargs, message in [(dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
+                            (dict(top_k=0), "top_k")]:
+        with pytest.raises(UserError, match=message):
+            generate(model_fp32, prompt, 4, **kwargs)
+    with pytest.raises(UserError, match="non-empty"):
+        generate(model_fp32, torch.tensor([], dtype=torch.long), 4)
+    with pytest.raises(UserError, match="context length"):
+        generate(model_fp32, prompt, model_fp32.config.block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: one line, exit code != 0, no traceback
+
+
+def cli_error(argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        gen.run_cli(gen.main, gen.parse_args(argv))
+    assert isinstance(exc.value.code, str) and exc.value.code.startswith("error: ")
+    assert "\n" not in exc.value.code
+    return exc.value.code
+
+
+def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
+    assert "no checkpoint at" in cli_error(["--checkpoint_path", str(tmp_path / "missing.safetensors")])
+    (tmp_path / "model.safetensors").write_bytes(bundled_checkpoint.read_bytes()[:1000])
+    assert f"{CONFIG_NAME} is missing" in cli_error(["--checkpoint_path", str(tmp_path / "model.safetensors")])
+    (tmp_path / CONFIG_NAME).write_text((bundled_checkpoint.parent / CONFIG_NAME).read_text())
+    assert "not a readable safetensors file" in cli_error(["--checkpoint_path", str(tmp_path / "model.safetensors")])
+    assert "prompt is empty" in cli_error(["--prompt", ""])
+    assert "context length" in cli_error(["--prompt", "hi " * 9000, "--max_new_tokens", "10"])
+    assert "batch_size" in cli_error(["--batch_size", "0"])
+    assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
+
+
+def test_cli_runs_and_reports(tmp_path):
+    """The README's command end to end, in a subprocess: text, then tok/s, bandwidth and memory."""
+    result = subprocess.run([sys.executable, "generate.py", "--prompt", "Tell me about Paris", "--max_new_tokens", "8",
+                             "--temperature", "0", "--profile", str(tmp_path / "trace.json")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tok/s" in result.stderr and "GB/s" in result.stderr and "peak memory" in result.stderr
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(tmp_path / "nope.safetensors")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: no checkpoint at") and "Traceback" not in result.stderr
