@@ -6,7 +6,10 @@
 
 import argparse
 import contextlib
+import importlib.util
+import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -110,9 +113,14 @@ class CPUDecodeLinear(nn.Linear):
     aten.mm makes at M=1 (scripts/benchmark.py measures both). Eager and many-row calls stay F.linear."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
-            return (x.unsqueeze(-2).float() * self.weight.float()).sum(-1).to(x.dtype)
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1 and self.bias is None:
+            return one_row_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+
+def one_row_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear for x of one row, as a multiply-and-sum accumulated in fp32."""
+    return (x.unsqueeze(-2).float() * weight.float()).sum(-1).to(x.dtype)
 
 
 def compile_functions(model: Transformer, dynamic_prefill: bool = False):
@@ -228,8 +236,10 @@ def synchronize(device: str):
 
 def main(args):
     device = args.device or default_device()
-    if args.compile and device == "cpu" and not torch._inductor.cpp_builder.get_cpp_compiler():
-        raise UserError("--compile on CPU needs a C++ compiler (gcc or clang) on PATH")
+    if args.compile and device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
+        raise UserError("--compile on CPU needs a C++ compiler (g++ or clang++) on PATH")
+    if args.compile and device.startswith("cuda") and importlib.util.find_spec("triton") is None:
+        raise UserError("--compile on GPU needs triton (it comes with PyTorch's CUDA wheels)")
     if args.batch_size < 1 or args.num_samples < 1:
         raise UserError("--batch_size and --num_samples must be at least 1")
     t0 = time.perf_counter()

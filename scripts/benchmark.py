@@ -1,0 +1,179 @@
+"""Decode speed, side by side in one run: our eager and compiled decoding, HF transformers' `generate`
+on the same weights, and the model's matmul floor.
+
+    python scripts/benchmark.py                                  # the bundled SmolLM2-135M-Instruct, bf16
+    python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --json out.json
+
+The floor is the summed time of the model's weight matmuls at one row (F.linear on each weight shape,
+with enough copies of each weight that none stays in cache) plus the output head: what a decode step
+would cost if nothing but reading the weights took time.
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+import generate as gen
+from model import ModelArgs, Transformer
+
+
+def timed(fn, device) -> float:
+    gen.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    gen.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def decode_ms_per_token(run, n_new: int, runs: int, device: str) -> tuple[float, float]:
+    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count, and tok/s of
+    the whole run(n_new) as a user sees it. The first calls (warm-up, compilation) are not counted."""
+    run(n_new), run(1)
+    full = [timed(lambda: run(n_new), device) for _ in range(runs)]
+    first = [timed(lambda: run(1), device) for _ in range(runs)]
+    per_token = (statistics.median(full) - statistics.median(first)) / (n_new - 1)
+    return per_token * 1e3, n_new / statistics.median(full)
+
+
+def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_bytes: int = 256 << 20) -> float:
+    """Summed linear(x, w) time at M=1 over every weight of the model, each shape timed on rotating
+    copies that together exceed the caches."""
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    dtype = model.output.weight.dtype
+    total = 0.0
+    for (n, k), count in shapes.items():
+        copies = max(2, min(64, cache_bytes // (n * k * dtype.itemsize)))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(copies)]
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        iters = max(20, 4 * copies)
+        for w in weights:
+            linear(x, w)
+        seconds = timed(lambda: [linear(x, weights[i % copies]) for i in range(iters)], device) / iters
+        total += count * seconds
+        del weights
+    return total * 1e3
+
+
+def hf_model_from(model: Transformer):
+    """HF transformers' LlamaForCausalLM holding the same weights (split back into q/k/v, gate/up)."""
+    import transformers
+
+    c = model.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_local_heads,
+        head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_base, rope_scaling=c.rope_scaling, tie_word_embeddings=c.tie_embeddings)
+    weight = model.output.weight
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    state = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
+             "lm_head.weight": model.output.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attention.wqkv.weight.split([c.n_head * c.head_dim] + [c.n_local_heads * c.head_dim] * 2)
+        gate, up = layer.feed_forward.w13.weight.chunk(2)
+        state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                      p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                      p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
+                      p + "input_layernorm.weight": layer.attention_norm.weight,
+                      p + "post_attention_layernorm.weight": layer.ffn_norm.weight})
+    hf.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
+    with torch.device(weight.device):  # its buffers were made on meta
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
+    return hf.to(weight.dtype).eval()
+
+
+def load(args) -> Transformer:
+    if args.model:
+        with torch.device(args.device):  # random weights built where they run: no host copy of a 70B
+            model = Transformer(ModelArgs.from_name(args.model))
+        return model.to(gen.PRECISIONS[args.precision]).eval()
+    return gen.load_model(args.checkpoint_path, args.device, args.precision)
+
+
+@torch.no_grad()
+def main(args):
+    torch.manual_seed(0)
+    model = load(args)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_length,), device=args.device)
+    n_new = args.max_new_tokens
+    results = {}
+
+    def ours(n):
+        gen.generate(model, prompt, n, temperature=0)
+
+    results["floor_ms"] = matmul_floor_ms(model, args.device)
+    if args.device == "cpu":  # what compiled decoding uses on CPU instead (generate.CPUDecodeLinear)
+        results["gemv_floor_ms"] = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_linear))
+    results["ours_eager"] = decode_ms_per_token(ours, n_new, args.runs, args.device)
+    gen.compile_functions(model)
+    compile_s = timed(lambda: ours(n_new), args.device)
+    results["ours_compiled"] = decode_ms_per_token(ours, n_new, args.runs, args.device)
+    if not args.no_hf:
+        hf = hf_model_from(model)
+
+        def hf_generate(n):
+            hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        results["hf_eager"] = decode_ms_per_token(hf_generate, n_new, args.runs, args.device)
+
+    weight_gb = gen.weight_bytes_per_token(model) / 1e9
+    floor = results["floor_ms"]
+    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
+          f"{args.device}, prompt {args.prompt_length} tokens, {n_new} new, median of {args.runs}; "
+          f"first compiled run {compile_s:.1f} s")
+    print(f"{'':24} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'x floor':>8}")
+    print(f"{'matmul floor (F.linear)':24} {floor:9.2f} {1e3 / floor:7.1f} {weight_gb / floor * 1e3:6.1f} {1:8.2f}")
+    if "gemv_floor_ms" in results:
+        ms = results["gemv_floor_ms"]
+        print(f"{'floor (compiled mul-sum)':24} {ms:9.2f} {1e3 / ms:7.1f} {weight_gb / ms * 1e3:6.1f} {ms / floor:8.2f}")
+    for name in ("ours_eager", "ours_compiled", "hf_eager"):
+        if name in results:
+            ms, tok_s = results[name]
+            print(f"{name:24} {ms:9.2f} {tok_s:7.1f} {weight_gb / ms * 1e3:6.1f} {ms / floor:8.2f}")
+    if "hf_eager" in results:
+        print(f"ours_compiled vs hf_eager: {results['hf_eager'][0] / results['ours_compiled'][0]:.2f}x faster per token")
+    if args.json:
+        record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
+                      torch=torch.__version__, machine=platform.processor() or platform.machine(),
+                      hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
+                      threads=torch.get_num_threads(), weight_gb=weight_gb, compile_s=compile_s,
+                      **{k: v if k.endswith("floor_ms") else dict(ms_per_token=v[0], tok_s=v[1]) for k, v in results.items()},
+                      args=vars(args))
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", default=None, help="default: the bundled model")
+    p.add_argument("--model", default=None, help="a known shape (model.transformer_configs), with --random-weights")
+    p.add_argument("--random-weights", action="store_true", help="random weights of --model's shape")
+    p.add_argument("--device", default=gen.default_device())
+    p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16")
+    p.add_argument("--prompt_length", type=int, default=16)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args()
+    if bool(args.model) != args.random_weights:
+        p.error("--model and --random-weights go together")
+    gen.run_cli(main, args)
