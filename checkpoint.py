@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,22 +29,28 @@ _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF1
                 torch.bool: "BOOL"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
-# One output tensor: its name, dtype, shape, and a function that produces it when its turn comes.
-Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
+# Output tensors that are made together: their (name, dtype, shape), and a function that makes them
+# when their turn comes (a quantized weight and its scales, say, come out of one computation).
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+Group = tuple[list[Spec], Callable[[], Sequence[torch.Tensor]]]
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing and reading
 
 
-def write_safetensors(path: Path, entries: list[Entry], metadata: dict[str, str] | None = None,
+def single(name: str, dtype: torch.dtype, shape, make: Callable[[], torch.Tensor]) -> Group:
+    return [(name, dtype, tuple(shape))], lambda: [make()]
+
+
+def write_safetensors(path: Path, groups: list[Group], metadata: dict[str, str] | None = None,
                       desc: str = "writing"):
-    """Write a safetensors file one tensor at a time. The header needs every shape first, which is
-    why entries carry dtype and shape beside the function that makes the data."""
+    """Write a safetensors file one group of tensors at a time. The header needs every shape first,
+    which is why groups carry dtypes and shapes beside the function that makes the data."""
     from tqdm import tqdm
 
     header, offset = {}, 0
-    for name, dtype, shape, _ in entries:
+    for name, dtype, shape in (spec for specs, _ in groups for spec in specs):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -55,10 +61,10 @@ def write_safetensors(path: Path, entries: list[Entry], metadata: dict[str, str]
 
     def write(f):
         f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
-        for name, dtype, shape, make in tqdm(entries, desc=desc, unit="tensor"):
-            t = make()
-            assert t.dtype == dtype and tuple(t.shape) == tuple(shape), (name, t.dtype, t.shape, dtype, shape)
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        for specs, make in tqdm(groups, desc=desc, unit="tensor"):
+            for (name, dtype, shape), t in zip(specs, make(), strict=True):
+                assert t.dtype == dtype and tuple(t.shape) == shape, (name, t.dtype, t.shape, dtype, shape)
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
     write_atomically(path, write, binary=True)
 
@@ -81,12 +87,33 @@ def write_json(path: Path, obj: dict):
     write_atomically(path, lambda f: json.dump(obj, f, indent=2))
 
 
-def read_safetensors(path: Path, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of a safetensors file (memory-mapped on CPU) and its metadata."""
+def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.
+
+    Read with plain reads into fresh memory, one tensor at a time, rather than memory-mapped: the
+    file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,
+    and mapped pages would count against memory on top of any copy (peak stays the tensors' size)."""
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-    except Exception as e:  # the library raises its own error type for corrupt or truncated files
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            if header_size > size:
+                raise ValueError("header larger than the file")
+            header = json.loads(f.read(header_size))
+            metadata = header.pop("__metadata__", None) or {}
+            tensors = {}
+            for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                begin, end = info["data_offsets"]
+                t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])  # 64-byte aligned
+                f.seek(8 + header_size + begin)
+                if end - begin != t.nbytes or f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != t.nbytes:
+                    raise ValueError(f"tensor {name} is truncated")
+                if float_dtype is not None and t.is_floating_point():
+                    t = t.to(float_dtype)
+                tensors[name] = t.to(device)
+        return tensors, metadata
+    except (ValueError, KeyError, TypeError, struct.error) as e:  # JSON and Unicode errors are ValueErrors
         raise UserError(f"{path} is not a readable safetensors file ({e}); delete it and convert again")
 
 
@@ -177,8 +204,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
         if (rows, *shape[1:]) != tuple(shapes[name]):
             raise UserError(f"{parts[0]} has shape {shape}, which does not fit config.json "
                             f"({name} should be {tuple(shapes[name])})")
-        entries.append((name, dtype, tuple(shapes[name]),
-                        lambda parts=parts: torch.cat([source[p][2]() for p in parts])))
+        entries.append(single(name, dtype, shapes[name], lambda parts=parts: torch.cat([source[p][2]() for p in parts])))
     write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
     write_json(output.parent / CONFIG_NAME, asdict(args))
     return output
@@ -264,8 +290,8 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    entries = [(name, torch.float32, tuple(shapes[name]),
-                lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts])) for name, parts in names.items()]
+    entries = [single(name, torch.float32, shapes[name], lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
+               for name, parts in names.items()]
 
     out_dir = Path(out_dir)
     write_gguf_tokenizer(meta, out_dir)

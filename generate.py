@@ -7,6 +7,7 @@
 import argparse
 import contextlib
 import importlib.util
+import math
 import os
 import resource
 import shutil
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from checkpoint import check_checkpoint_path, default_checkpoint, load_config, read_safetensors
-from model import Transformer, UserError
+import quantize
+from model import Attention, Transformer, UserError
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -32,26 +34,31 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 
 def load_model(checkpoint_path: Path | str | None = None, device: str | None = None,
                precision: str = "bf16") -> Transformer:
-    """Build the model on the meta device and load the weights into it in place (`assign=True`),
-    so no randomly initialized copy ever exists. None means the bundled model."""
+    """Build the model on the meta device, swap in quantized modules if the checkpoint says so, and
+    load the weights into it in place (`assign=True`): neither a randomly initialized nor a bf16 copy
+    of a quantized model ever exists. None means the bundled model."""
     checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
     check_checkpoint_path(checkpoint_path)
     device = device or default_device()
     config = load_config(checkpoint_path)
-    state_dict, _ = read_safetensors(checkpoint_path, device)
-    dtype = PRECISIONS[precision]
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    if config.tie_embeddings:
-        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
+    state_dict, metadata = read_safetensors(checkpoint_path, device, PRECISIONS[precision])
     with torch.device("meta"):
         model = Transformer(config)
+    scheme = quantize.read_scheme(metadata)
+    if scheme:
+        quantize.swap_linears(model, scheme)
+    tied = config.tie_embeddings and "output.weight" not in state_dict  # quantized heads are stored apart
+    if tied:
+        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
                         f"{str(e).splitlines()[1].strip()}")
-    if config.tie_embeddings:  # assign=True replaced the tied parameter: tie it again
+    del state_dict  # int4 packing below then frees each neutral-layout weight as it goes
+    if tied:  # assign=True replaced the tied parameter: tie it again
         model.output.weight = model.tok_embeddings.weight
+    quantize.pack_for_device(model)
     return model.eval()
 
 
@@ -107,28 +114,49 @@ def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, *
     return sample(logits[:, -1], **sampling)
 
 
-class CPUDecodeLinear(nn.Linear):
-    """nn.Linear whose one-row product, when compiled on CPU, becomes a multiply-and-sum that inductor
-    turns into one vectorized loop: it reads a bf16 weight about twice as fast as the BLAS call that
-    aten.mm makes at M=1 (scripts/benchmark.py measures both). Eager and many-row calls stay F.linear."""
+# On CPU, compiled decoding computes its one-row products as plain multiply-and-sum expressions, which
+# inductor fuses into single vectorized loops: a bf16 weight is read about 1.4x faster than by the BLAS
+# call aten.mm makes at M=1, and attention over the cache about 3x faster than SDPA's CPU kernel
+# (scripts/benchmark.py measures the matmul side). Eager and many-row calls keep the library kernels.
 
+
+class CPUDecodeLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() == 1 and self.bias is None:
+        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1 and self.bias is None:
             return one_row_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
+class CPUDecodeAttention(Attention):
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and q.shape[2] == 1:
+            return one_query_attention(q, k, v, mask)
+        return super().attend(q, k, v, mask)
+
+
 def one_row_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear for x of one row, as a multiply-and-sum accumulated in fp32."""
+    """F.linear for x of one row, accumulated in fp32."""
     return (x.unsqueeze(-2).float() * weight.float()).sum(-1).to(x.dtype)
+
+
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA for one query a row: q (B, nh, 1, hd), k and v (B, n_kv, S, hd), mask (B, 1, 1, S)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()  # (B, nh, S, hd)
+    scores = (q.float().unsqueeze(-2) * k.unsqueeze(2)).sum(-1) / math.sqrt(q.shape[-1])  # (B, nh, 1, S)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).to(q.dtype)  # (B, nh, 1, hd)
 
 
 def compile_functions(model: Transformer, dynamic_prefill: bool = False):
     """Compile decoding (CUDA graphs on GPU) and, optionally, prefill for any prompt length."""
     global decode_one_token, prefill
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu":
-            module.__class__ = CPUDecodeLinear  # same parameters, another forward
+    if next(model.parameters()).device.type == "cpu":
+        for module in model.modules():  # same parameters, another forward
+            if type(module) is nn.Linear:
+                module.__class__ = CPUDecodeLinear
+            elif type(module) is Attention:
+                module.__class__ = CPUDecodeAttention
     decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     if dynamic_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)

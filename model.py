@@ -213,9 +213,11 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_local_heads, self.head_dim), rope)  # (B, T, n_kv, hd)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                           enable_gqa=self.n_head != self.n_local_heads)  # (B, nh, T, hd)
+        y = self.attend(q.transpose(1, 2), k, v, mask)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
 
 
 class FeedForward(nn.Module):

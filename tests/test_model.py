@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from checkpoint import convert_hf_checkpoint, write_safetensors
+from checkpoint import convert_hf_checkpoint, single, write_safetensors
 from generate import generate, get_tokenizer, load_model
 from model import ModelArgs, Transformer, UserError, transformer_configs
 
@@ -181,7 +181,7 @@ def test_safetensors_writer_round_trip(tmp_path):
     from safetensors.torch import load_file
 
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int8), "c": torch.randn(4).bfloat16()}
-    entries = [(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()]
+    entries = [single(k, v.dtype, v.shape, lambda v=v: v) for k, v in tensors.items()]
     write_safetensors(tmp_path / "x.safetensors", entries, {"note": "hi"})
     loaded = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
