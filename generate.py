@@ -148,15 +148,20 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor
     return (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).to(q.dtype)  # (B, nh, 1, hd)
 
 
-def compile_functions(model: Transformer, dynamic_prefill: bool = False):
-    """Compile decoding (CUDA graphs on GPU) and, optionally, prefill for any prompt length."""
-    global decode_one_token, prefill
+def use_cpu_decode_modules(model: Transformer):
+    """On CPU, give linears and attention the forwards above (same parameters, another forward)."""
     if next(model.parameters()).device.type == "cpu":
-        for module in model.modules():  # same parameters, another forward
+        for module in model.modules():
             if type(module) is nn.Linear:
                 module.__class__ = CPUDecodeLinear
             elif type(module) is Attention:
                 module.__class__ = CPUDecodeAttention
+
+
+def compile_functions(dynamic_prefill: bool = False):
+    """Compile decoding (CUDA graphs on GPU) and, optionally, prefill for any prompt length. Once
+    per process: they stay compiled for every model."""
+    global decode_one_token, prefill
     decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     if dynamic_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
@@ -276,7 +281,8 @@ def main(args):
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if args.compile:
-        compile_functions(model, dynamic_prefill=args.compile_prefill)
+        use_cpu_decode_modules(model)
+        compile_functions(dynamic_prefill=args.compile_prefill)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.interactive:
         return chat(model, tokenizer, args.max_new_tokens, sampling)

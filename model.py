@@ -172,15 +172,19 @@ class Transformer(nn.Module):
         assert self.max_seq_length > 0, "call setup_caches first"
         B, T = idx.shape
         input_pos = input_pos.expand(B, T)
-        # A query at position p sees the cache slots 0..p: causal within the new tokens, and it
-        # hides whatever a longer earlier sequence left behind.
-        slots = torch.arange(self.max_seq_length, device=idx.device)
-        mask = (slots <= input_pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-        rope = self.rope_cache[input_pos]  # (B, T, hd) cos and (B, T, hd) sin, stacked on dim -1
+        mask = causal_mask(input_pos, self.max_seq_length)
+        rope = self.rope_cache[input_pos]  # (B, T, 2 * hd): cos, then sin
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, input_pos, rope, mask)
         return self.output(self.norm(x))
+
+
+def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:
+    """(B, 1, T, S): a query at position p sees the cache slots 0..p. That is causal within the new
+    tokens, and it hides whatever a longer earlier sequence left behind in the cache."""
+    slots = torch.arange(max_seq_length, device=input_pos.device)
+    return (slots <= input_pos.unsqueeze(-1)).unsqueeze(1)
 
 
 class TransformerBlock(nn.Module):

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import Group, check_checkpoint_path, load_config, single, write_safetensors
-from model import Transformer, UserError
+from checkpoint import Group, check_checkpoint_path, default_checkpoint, load_config, single, write_safetensors
+from model import KVCache, ModelArgs, Transformer, TransformerBlock, UserError, causal_mask, rope_cache
+from tokenizer import load_tokenizer
 
 GROUPSIZES = (32, 64, 128, 256)
-MODES = ("int8", "int4", "int4-gptq")
+MODES = ("int8", "int4", "int4-gptq", "int4-gguf")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,9 +125,11 @@ class Int4Linear(nn.Module):
             if kernel == "cuda":
                 inner_k_tiles = next(t for t in (8, 4, 2) if self.padded_in % (t * 16) == 0)
                 self.weight = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
-            else:
-                self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                    unpack_int4(self.weight).to(torch.int32), 1)
+            else:  # the CPU kernel takes (n, k) int32 levels and packs them to (n, k/2) uint8, in blocks of
+                # 64 rows: convert in place a block at a time, so that packing needs no memory to speak of
+                for r in range(0, self.out_features, 64):
+                    levels = unpack_int4(self.weight[r: r + 64]).to(torch.int32)
+                    self.weight[r: r + 64] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
         del self.scales, self.mins
         self.kernel = kernel
 
@@ -152,7 +155,7 @@ def int4_kernel(device: torch.device, out_features: int) -> str:
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0
         return "cuda" if ok else "dequantize"
     if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return "cpu"
+        return "cpu" if out_features % 16 == 0 else "dequantize"
     return "dequantize"
 
 
@@ -194,7 +197,7 @@ def pack_for_device(model: Transformer):
 
 
 def output_path(checkpoint_path: Path, mode: str, groupsize: int) -> Path:
-    suffix = {"int8": "int8", "int4": f"int4.g{groupsize}", "int4-gptq": f"int4-gptq.g{groupsize}"}[mode]
+    suffix = "int8" if mode == "int8" else f"{mode}.g{groupsize}"
     return checkpoint_path.with_name(f"{checkpoint_path.stem}_{suffix}.safetensors")
 
 
@@ -211,8 +214,9 @@ def quantized_group(name: str, read, shape: tuple, scheme: dict, gptq=None) -> G
              (f"{base}.mins", torch.bfloat16, (n, padded // g))]
 
     def make():
-        w = F.pad(read().float(), (0, padded - k))  # zero columns: x is zero-padded to match
-        return gptq.quantize(base, w) if gptq else rtn_int4(w, g)
+        if gptq:
+            return gptq.quantize(base)
+        return rtn_int4(F.pad(read().float(), (0, padded - k)), g)  # zero columns: x is zero-padded to match
 
     return specs, make
 
@@ -225,12 +229,15 @@ def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path | None = None,
-             calibration_file: Path | None = None) -> Path:
+             calibration_file: Path | None = None, calibration_samples: int = 32, calibration_seq_len: int = 512
+             ) -> Path:
     """Write a quantized copy of a checkpoint beside it, tensor by tensor."""
     checkpoint_path = Path(checkpoint_path)
     check_checkpoint_path(checkpoint_path)
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "int4-gguf":
+        return import_gguf_int4(checkpoint_path, output)
     if mode != "int8" and groupsize not in GROUPSIZES:
         raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
     config = load_config(checkpoint_path)
@@ -244,15 +251,17 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
     linears = {f"{n}.weight" for n in linear_names(model)}
     gptq = None
     if mode == "int4-gptq":
-        from gptq import GPTQ
+        gptq = GPTQ(source, checkpoint_path.parent, config, groupsize, calibration_file,
+                    calibration_samples, calibration_seq_len)
 
-        gptq = GPTQ(checkpoint_path, config, groupsize, calibration_file)
-
-    scheme = {"mode": "int8" if mode == "int8" else "int4", "groupsize": groupsize, "method": mode, "head": "int8"}
+    scheme = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
+    scheme.update(method=mode, head="int8")
     groups = []
     for name, tensor in model.state_dict().items():
         # a tied head is quantized from the embedding table, which itself stays bf16 for lookups
         stored = "tok_embeddings.weight" if name == "output.weight" and config.tie_embeddings else name
+        if stored not in source.keys() or tuple(source.get_slice(stored).get_shape()) != tuple(tensor.shape):
+            raise UserError(f"{checkpoint_path} does not fit its model_config.json at {stored}: convert it again")
         read = lambda stored=stored: source.get_tensor(stored)  # noqa: E731 (read when written)
         if name in linears:
             groups.append(quantized_group(name, read, tuple(tensor.shape), scheme, gptq))
@@ -263,6 +272,190 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
     return output
 
 
+# ---------------------------------------------------------------------------------------------
+# GPTQ (Frantar et al., 2022): round each column to int4, then spread its rounding error over the
+# columns not yet rounded, weighted by the inverse Hessian of the layer's inputs, so the layer's
+# output moves as little as possible on the calibration data.
+
+
+class GPTQ:
+    """Quantizes a checkpoint's linears layer by layer: a layer's Hessians come from the calibration
+    activations entering it, and its quantized output feeds the next. Only one layer's weights and
+    the activations are in memory at a time."""
+
+    def __init__(self, source, checkpoint_dir: Path, config: ModelArgs, groupsize: int,
+                 calibration_file: Path | None = None, n_samples: int = 32, seq_len: int = 512):
+        self.source, self.config, self.groupsize = source, config, groupsize
+        tokens = calibration_tokens(checkpoint_dir, calibration_file, n_samples * seq_len)
+        embeddings = source.get_tensor("tok_embeddings.weight").float()
+        self.hidden = F.embedding(tokens.view(n_samples, seq_len), embeddings)  # (n_samples, T, dim)
+        self.rope = rope_cache(seq_len, config.head_dim, config.rope_base, config.rope_scaling)
+        self.results, self.layer = {}, -1
+
+    def quantize(self, name: str) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed levels, scales and mins of linear `name` (e.g. layers.3.attention.wqkv)."""
+        layer = int(name.split(".")[1])
+        if layer != self.layer:  # the writer asks for layers in order
+            self.quantize_layer(layer)
+        return self.results.pop(name)
+
+    @torch.no_grad()
+    def quantize_layer(self, i: int):
+        prefix = f"layers.{i}."
+        block = TransformerBlock(self.config)
+        block.load_state_dict({k: self.source.get_tensor(prefix + k).float() for k in block.state_dict()})
+        linears = {prefix + n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+        hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
+
+        def accumulate(name):
+            def hook(module, args):
+                x = args[0].reshape(-1, module.in_features).float()
+                hessians[name].addmm_(x.T, x)  # sum of x x^T; its scale does not matter to GPTQ
+            return hook
+
+        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
+        self.run(block)
+        for h in hooks:
+            h.remove()
+        for name, m in linears.items():
+            w = m.weight.float()
+            padded = -(-w.shape[1] // self.groupsize) * self.groupsize
+            packed, scales, mins = gptq_int4(F.pad(w, (0, padded - w.shape[1])),
+                                             F.pad(hessians[name], (0, padded - w.shape[1]) * 2), self.groupsize)
+            self.results[name] = packed, scales, mins
+            m.weight.copy_(dequantize_int4(packed, scales, mins)[:, : w.shape[1]])
+        self.hidden = self.run(block)  # the next layer sees this layer's quantized output
+        self.layer = i
+
+    def run(self, block: TransformerBlock, batch: int = 8) -> Tensor:
+        n, T, _ = self.hidden.shape
+        c = self.config
+        block.attention.kv_cache = KVCache(batch, T, c.n_local_heads, c.head_dim, torch.float32)
+        outputs = []
+        for x in self.hidden.split(batch):
+            input_pos = torch.arange(T).expand(x.shape[0], T)
+            outputs.append(block(x, input_pos, self.rope[input_pos], causal_mask(input_pos, T)))
+        return torch.cat(outputs)
+
+
+def gptq_int4(w: Tensor, hessian: Tensor, groupsize: int, blocksize: int = 128, damping: float = 0.01
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """w (n, k) -> packed levels, scales and mins as rtn_int4 gives, rounded GPTQ's way."""
+    w, H = w.clone().float(), hessian.clone().double()
+    n, k = w.shape
+    dead = H.diagonal() == 0  # inputs that were always zero (padding, say): their weights do not matter
+    H[dead, dead] = 1
+    w[:, dead] = 0
+    H.diagonal().add_(damping * H.diagonal().mean())  # keeps H invertible and the updates tame
+    # the upper Cholesky factor of H^-1 gives each column's update row in order
+    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    levels = torch.zeros(n, k, dtype=torch.uint8)
+    scales = torch.zeros(n, k // groupsize, dtype=torch.bfloat16)
+    mins = torch.zeros_like(scales)
+    blocksize = max(blocksize, groupsize)  # a group's parameters are set from columns of one block
+    for b0 in range(0, k, blocksize):
+        b1 = min(b0 + blocksize, k)
+        wb, hb = w[:, b0:b1], h_inv[b0:b1, b0:b1]  # wb is a view: updates land in w
+        errors = torch.zeros(n, b1 - b0)
+        for j in range(b1 - b0):
+            col = b0 + j
+            if col % groupsize == 0:  # parameters from the group's columns as already updated
+                s, m = int4_group_params(wb[:, j: j + groupsize], groupsize)
+                scales[:, col // groupsize], mins[:, col // groupsize] = s[:, 0].bfloat16(), m[:, 0].bfloat16()
+            s, m = scales[:, col // groupsize].float(), mins[:, col // groupsize].float()
+            q = torch.round((wb[:, j] - m) / s).clamp(0, 15)
+            levels[:, col] = q.to(torch.uint8)
+            errors[:, j] = (wb[:, j] - (q * s + m)) / hb[j, j]
+            wb[:, j:] -= errors[:, j: j + 1] * hb[j: j + 1, j:]
+        w[:, b1:] -= errors @ h_inv[b0:b1, b1:]
+    return pack_int4(levels), scales, mins
+
+
+def calibration_tokens(checkpoint_dir: Path, calibration_file: Path | None, n_tokens: int) -> Tensor:
+    """n_tokens of calibration text: the user's file, or Python's own documentation."""
+    if calibration_file is not None:
+        if not Path(calibration_file).is_file():
+            raise UserError(f"calibration file {calibration_file} does not exist")
+        text = Path(calibration_file).read_text(errors="replace")
+    else:
+        text = python_docs_text("calibration")
+    tokens = load_tokenizer(checkpoint_dir).encode(text)
+    if len(tokens) < n_tokens:
+        raise UserError(f"the calibration text has {len(tokens)} tokens; GPTQ needs {n_tokens} "
+                        f"(n_samples x seq_len): give a longer --calibration_file")
+    return torch.tensor(tokens[:n_tokens])
+
+
+def python_docs_text(part: str) -> str:
+    """English text every CPython ships (pydoc's topic help): its first half for calibration, the
+    second held out for evaluation, so that a scheme is never scored on the text it was fitted to."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    half = names[: len(names) // 2] if part == "calibration" else names[len(names) // 2:]
+    return "\n\n".join(topics[name] for name in half)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundled GGUF's Q4_1 weights, imported without loss
+
+
+def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
+    """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
+    levels q, w = d * q + m) is our int4 layout at groupsize 32, so its linears are copied from the
+    GGUF, not re-quantized. The head is int8 as in every mode."""
+    import gguf
+
+    checkpoint_dir = Path(checkpoint_path).parent
+    with safe_open(str(checkpoint_path), framework="pt") as f:
+        gguf_path = (f.metadata() or {}).get("source", "")
+    if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
+        raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
+    reader = gguf.GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = load_config(checkpoint_path)
+    heads = {"attn_q": config.n_head, "attn_k": config.n_local_heads}
+
+    def q4_1(name: str) -> tuple[Tensor, Tensor, Tensor]:
+        t = tensors[name]
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            raise UserError(f"{name} is {t.tensor_type.name}, not Q4_1: this GGUF has no lossless int4 import")
+        blocks = torch.from_numpy(t.data.copy()).view(t.data.shape[0], -1, 20)  # (rows, k/32, 20 bytes)
+        d, m, qs = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
+        parts = [pack_int4(levels), d.contiguous().view(torch.float16)[..., 0], m.contiguous().view(torch.float16)[..., 0]]
+        h = heads.get(name.split(".")[2])
+        if h:  # undo llama.cpp's interleaving of each head's rotary halves, on rows
+            parts = [p.reshape(h, p.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(p.shape) for p in parts]
+        return parts
+
+    source = safe_open(str(checkpoint_path), framework="pt")
+    with torch.device("meta"):
+        model = Transformer(config)
+    gguf_names = {"attention.wqkv": ["attn_q", "attn_k", "attn_v"], "attention.wo": ["attn_output"],
+                  "feed_forward.w13": ["ffn_gate", "ffn_up"], "feed_forward.w2": ["ffn_down"]}
+    groups = []
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        if name == "output.weight":
+            read = lambda: source.get_tensor("tok_embeddings.weight")  # noqa: E731
+            groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int4"}))
+        elif parts[0] == "layers" and ".".join(parts[2:4]) in gguf_names:
+            i, base = parts[1], ".".join(parts[:4])
+            names = [f"blk.{i}.{g}.weight" for g in gguf_names[".".join(parts[2:4])]]
+            n, k = tensor.shape
+            specs = [(f"{base}.weight", torch.uint8, (n, k // 2)), (f"{base}.scales", torch.float16, (n, k // 32)),
+                     (f"{base}.mins", torch.float16, (n, k // 32))]
+            groups.append((specs, lambda names=names: [torch.cat(p) for p in zip(*map(q4_1, names))]))
+        else:
+            groups.append(single(name, torch.bfloat16, tensor.shape, lambda name=name: source.get_tensor(name).bfloat16()))
+    output = Path(output or output_path(checkpoint_path, "int4-gguf", 32))
+    scheme = {"mode": "int4", "groupsize": 32, "method": "gguf-q4_1", "head": "int8"}
+    write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(gguf_path)},
+                      desc="importing Q4_1")
+    return output
+
+
 def read_scheme(metadata: dict[str, str]) -> dict | None:
     """The quantization scheme recorded in a checkpoint's metadata, or None for an unquantized one."""
     scheme = metadata.get("quantization")
@@ -270,7 +463,9 @@ def read_scheme(metadata: dict[str, str]) -> dict | None:
 
 
 def main(args):
-    path = quantize(args.checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file)
+    checkpoint_path = args.checkpoint_path or default_checkpoint()
+    path = quantize(checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file,
+                    args.calibration_samples, args.calibration_seq_len)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); run: python generate.py --checkpoint_path {path}")
 
 
@@ -278,10 +473,13 @@ if __name__ == "__main__":
     from generate import run_cli
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint_path", type=Path, required=True)
-    p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
+    p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
+    p.add_argument("--mode", required=True,
+                   help=f"one of {', '.join(MODES)} (int4-gguf: copy a GGUF import's Q4_1 weights losslessly)")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {GROUPSIZES}")
     p.add_argument("--calibration_file", type=Path, default=None,
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")
+    p.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
+    p.add_argument("--calibration_seq_len", type=int, default=512, help="GPTQ: tokens per sequence")
     p.add_argument("--output", type=Path, default=None)
     run_cli(main, p.parse_args())

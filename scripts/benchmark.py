@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -107,48 +108,49 @@ def main(args):
     model = load(args)
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_length,), device=args.device)
     n_new = args.max_new_tokens
-    results = {}
+    rows = {}  # name -> (ms per token, tok/s, weight bytes per token)
 
-    def ours(n):
-        gen.generate(model, prompt, n, temperature=0)
+    def measure(name: str, m: Transformer):
+        run = lambda n: gen.generate(m, prompt, n, temperature=0)  # noqa: E731
+        rows[name] = (*decode_ms_per_token(run, n_new, args.runs, args.device), gen.weight_bytes_per_token(m))
 
-    results["floor_ms"] = matmul_floor_ms(model, args.device)
+    floor = matmul_floor_ms(model, args.device)
+    rows["matmul floor (F.linear)"] = (floor, 1e3 / floor, gen.weight_bytes_per_token(model))
     if args.device == "cpu":  # what compiled decoding uses on CPU instead (generate.CPUDecodeLinear)
-        results["gemv_floor_ms"] = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_linear))
-    results["ours_eager"] = decode_ms_per_token(ours, n_new, args.runs, args.device)
-    gen.compile_functions(model)
-    compile_s = timed(lambda: ours(n_new), args.device)
-    results["ours_compiled"] = decode_ms_per_token(ours, n_new, args.runs, args.device)
+        ms = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_linear))
+        rows["floor (compiled mul-sum)"] = (ms, 1e3 / ms, gen.weight_bytes_per_token(model))
+    measure(f"ours {args.precision} eager", model)
     if not args.no_hf:
         hf = hf_model_from(model)
+        run = lambda n: hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
+                                    pad_token_id=0)
+        rows[f"HF {args.precision} eager"] = (*decode_ms_per_token(run, n_new, args.runs, args.device),
+                                              gen.weight_bytes_per_token(model))
+        del hf
+    gen.compile_functions()
+    gen.use_cpu_decode_modules(model)
+    compile_s = timed(lambda: gen.generate(model, prompt, n_new, temperature=0), args.device)
+    measure(f"ours {args.precision} compiled", model)
+    for path in args.quantized:
+        quantized = gen.load_model(path, args.device, args.precision)
+        gen.use_cpu_decode_modules(quantized)
+        measure(f"ours {Path(path).stem} compiled", quantized)
+        del quantized
 
-        def hf_generate(n):
-            hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-        results["hf_eager"] = decode_ms_per_token(hf_generate, n_new, args.runs, args.device)
-
-    weight_gb = gen.weight_bytes_per_token(model) / 1e9
-    floor = results["floor_ms"]
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
           f"{args.device}, prompt {args.prompt_length} tokens, {n_new} new, median of {args.runs}; "
           f"first compiled run {compile_s:.1f} s")
-    print(f"{'':24} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'x floor':>8}")
-    print(f"{'matmul floor (F.linear)':24} {floor:9.2f} {1e3 / floor:7.1f} {weight_gb / floor * 1e3:6.1f} {1:8.2f}")
-    if "gemv_floor_ms" in results:
-        ms = results["gemv_floor_ms"]
-        print(f"{'floor (compiled mul-sum)':24} {ms:9.2f} {1e3 / ms:7.1f} {weight_gb / ms * 1e3:6.1f} {ms / floor:8.2f}")
-    for name in ("ours_eager", "ours_compiled", "hf_eager"):
-        if name in results:
-            ms, tok_s = results[name]
-            print(f"{name:24} {ms:9.2f} {tok_s:7.1f} {weight_gb / ms * 1e3:6.1f} {ms / floor:8.2f}")
-    if "hf_eager" in results:
-        print(f"ours_compiled vs hf_eager: {results['hf_eager'][0] / results['ours_compiled'][0]:.2f}x faster per token")
+    hf_ms = rows.get(f"HF {args.precision} eager", (None,))[0]
+    print(f"{'':32} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'x floor':>8} {'vs HF':>6}")
+    for name, (ms, tok_s, nbytes) in rows.items():
+        vs_hf = f"{hf_ms / ms:6.2f}" if hf_ms else ""
+        print(f"{name:32} {ms:9.2f} {tok_s:7.1f} {nbytes / ms / 1e6:6.1f} {ms / floor:8.2f} {vs_hf}")
     if args.json:
         record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
-                      torch=torch.__version__, machine=platform.processor() or platform.machine(),
+                      torch=torch.__version__, threads=torch.get_num_threads(), compile_s=compile_s,
                       hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
-                      threads=torch.get_num_threads(), weight_gb=weight_gb, compile_s=compile_s,
-                      **{k: v if k.endswith("floor_ms") else dict(ms_per_token=v[0], tok_s=v[1]) for k, v in results.items()},
+                      rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes)
+                            for name, (ms, tok_s, nbytes) in rows.items()},
                       args=vars(args))
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
@@ -171,6 +173,8 @@ if __name__ == "__main__":
     p.add_argument("--prompt_length", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quantized", nargs="*", default=[], metavar="PATH",
+                   help="quantized checkpoints (quantize.py) to measure in the same run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()

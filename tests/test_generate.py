@@ -46,7 +46,8 @@ def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
     eager = generate(model, prompt, 24, temperature=0)
     monkeypatch.setattr(gen, "decode_one_token", gen.decode_one_token)  # restored after the test
     monkeypatch.setattr(gen, "prefill", gen.prefill)
-    gen.compile_functions(model)
+    gen.use_cpu_decode_modules(model)
+    gen.compile_functions()
     compiled = generate(model, prompt, 24, temperature=0)
     assert compiled.tolist() == eager.tolist()
     # a second call reuses the compiled graph and the cache

@@ -1,0 +1,381 @@
+"""Weight-only quantization: the kernels against dequantize-then-matmul, the layouts, quantized
+checkpoints of the bundled model end to end, bad input, and the memory a quantized load takes.
+
+The kernel checks draw fresh random data on every run (no seed): their bounds hold for any data."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+import quantize
+from checkpoint import CONFIG_NAME, load_config
+from generate import get_tokenizer, load_model
+from model import UserError
+from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
+                      unpack_int4)
+
+REPO = Path(__file__).resolve().parents[1]
+BF16_RTOL = 2e-2  # max|y - ref| / max|ref| for a bf16 result against an fp32 reference
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(autouse=True)
+def fresh_random_data():
+    """Other test files seed torch's global generator: reseed from the OS so each run draws new data,
+    and print the seed (shown with a failure) to reproduce it."""
+    print(f"torch seed {torch.seed()}")
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def random_weight(n: int, k: int) -> torch.Tensor:
+    """Gaussian rows of very different magnitudes, so that per-row / per-group scales matter."""
+    return torch.randn(n, k) * torch.randn(n, 1).exp()
+
+
+# ---------------------------------------------------------------------------------------------
+# int8
+
+
+def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
+    """An Int8Linear filled the way loading fills it, and its dequantized fp32 weight."""
+    q, scales = quantize_int8(random_weight(n, k))
+    m = Int8Linear(k, n)
+    m.weight, m.scales = q, scales  # what load_state_dict(assign=True) does
+    return m, q.float() * scales.float()[:, None]
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (200, 128)])
+@pytest.mark.parametrize("M", [1, 5])
+def test_int8_linear_matches_dequantized_matmul(n, k, M):
+    m, w_ref = int8_module(n, k)
+    x = torch.randn(1, M, k).bfloat16()  # (B, T, k), as the model calls it
+    with torch.no_grad():
+        y = m(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
+    assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
+
+
+@pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (200, 128, (1,))])
+def test_int8_linear_compiled_one_row(n, k, shape):
+    """Compiled at one row, Int8Linear is a multiply-and-sum that inductor fuses, not the aten kernel."""
+    from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
+
+    m, w_ref = int8_module(n, k)
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(m, backend=inductor, fullgraph=True)
+    x = torch.randn(*shape, k).bfloat16()
+    with torch.no_grad():
+        y = compiled(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (*shape, n)
+    assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
+    assert len(graphs) == 1 and "_weight_int8pack_mm" not in graphs[0].code  # took the fused path
+
+
+def test_quantize_int8_error_and_range():
+    n, k = 64, 256
+    w = random_weight(n, k)
+    w[3] = 0  # an all-zero row must not divide by zero
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (n, k)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (n,)
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    assert torch.isfinite(scales.float()).all() and (q[3] == 0).all()
+    # every nonzero row uses the whole range: its largest |w| lands on +-127
+    nonzero = torch.arange(n) != 3
+    assert (q[nonzero].abs().amax(1) == 127).all()
+    # round to nearest: |w - q*s| <= s/2, where s is the stored (bf16) scale; a scale rounded down
+    # by bf16 clips the largest values by at most 127 * (exact scale - stored scale)
+    s = scales.float()[:, None]
+    exact = w.abs().amax(1, keepdim=True) / 127
+    assert ((s - exact).abs() <= 2**-8 * exact)[nonzero].all()  # the step is max|w|/127, rounded to bf16
+    bound = s / 2 + 127 * (exact - s).clamp(min=0) + 1e-6 * w.abs().amax(1, keepdim=True)
+    assert ((w - q.float() * s).abs() <= bound).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# int4
+
+
+def int4_cases():
+    cases = []
+    for kernel in ("cpu", "dequantize"):
+        for g in GROUPSIZES:
+            # k a multiple of g; k = 576 (SmolLM2's dim: a multiple of 32 and 64, padded for 128, 256);
+            # k = 592, a multiple of none. The CPU kernel takes n in multiples of 16 only.
+            for n, k in [(96, 2 * g), (64, 576), (112 if kernel == "cpu" else 200, 592)]:
+                cases.append(pytest.param(kernel, g, n, k, id=f"{kernel}-g{g}-n{n}-k{k}"))
+    return cases
+
+
+def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tensor]:
+    """An Int4Linear filled as loading fills it (quantized as quantize.quantized_group does: k
+    zero-padded to whole groups), and its dequantized fp32 weight (n, k)."""
+    m = Int4Linear(k, n, groupsize)
+    assert m.padded_in == -(-k // groupsize) * groupsize
+    w = F.pad(random_weight(n, k), (0, m.padded_in - k))
+    m.weight, m.scales, m.mins = rtn_int4(w, groupsize)
+    assert (m.weight.shape, m.scales.shape) == ((n, m.padded_in // 2), (n, m.padded_in // groupsize))
+    return m, dequantize_int4(m.weight, m.scales, m.mins)[:, :k]
+
+
+@pytest.mark.parametrize("kernel,groupsize,n,k", int4_cases())
+def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
+    m, w_ref = int4_module(n, k, groupsize)
+    m.pack(kernel)
+    assert m.kernel == kernel
+    for M in (1, 3):
+        x = torch.randn(1, M, k).bfloat16()
+        with torch.no_grad():
+            y = m(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
+        assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
+
+
+def test_int4_kernel_choice_packs_any_out_features():
+    """The CPU kernel wants n % 16 == 0; other shapes fall back to the dequantizing path."""
+    n, k, g = 200, 128, 32
+    m, w_ref = int4_module(n, k, g)
+    m.pack(quantize.int4_kernel(torch.device("cpu"), n))
+    x = torch.randn(2, k).bfloat16()
+    assert rel_err(m(x), F.linear(x.float(), w_ref)) <= BF16_RTOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+def test_pack_int4_layout_and_round_trip():
+    assert pack_int4(torch.tensor([[1, 2, 3, 4], [15, 0, 0, 15]], dtype=torch.uint8)).tolist() == \
+        [[0x12, 0x34], [0xF0, 0x0F]]
+    q = torch.randint(0, 16, (37, 256), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (37, 128)
+    assert torch.equal(packed >> 4, q[:, 0::2])  # the high nibble holds the even column
+    assert torch.equal(packed & 15, q[:, 1::2])
+    unpacked = unpack_int4(packed)
+    assert unpacked.dtype == torch.uint8 and torch.equal(unpacked, q)
+
+
+def test_dequantize_int4_is_level_times_scale_plus_min():
+    n, k, g = 8, 128, 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, k // g).bfloat16(), torch.randn(n, k // g).bfloat16()
+    group = torch.arange(k) // g
+    expected = q.float() * scales.float()[:, group] + mins.float()[:, group]
+    torch.testing.assert_close(dequantize_int4(pack_int4(q), scales, mins), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("groupsize", GROUPSIZES)
+def test_rtn_int4_reproduces_weights_within_half_a_step(groupsize):
+    n, k = 48, 512
+    w = random_weight(n, k) + torch.randn(n, 1)  # groups off center too: mins matter
+    packed, scales, mins = rtn_int4(w, groupsize)
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
+    assert scales.dtype == mins.dtype == torch.bfloat16 and scales.shape == mins.shape == (n, k // groupsize)
+    # the exact (fp32) per-group range, and the bf16 parameters actually stored
+    groups = w.reshape(n, -1, groupsize)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    exact_scale = (hi - lo) / 15
+    s, m = scales.float(), mins.float()
+    # 16 levels from each group's min to its max: the stored step and min are those, rounded to bf16
+    assert ((s - exact_scale).abs() <= 2**-8 * exact_scale).all() and ((m - lo).abs() <= 2**-8 * lo.abs()).all()
+    # within [m, m + 15 s] rounding is to the nearest level (s/2); outside, the levels clip by at most
+    # what bf16 rounding moved the ends of the range
+    bound = s / 2 + (lo - m).abs() + 15 * (exact_scale - s).abs() + 1e-6 * (lo.abs() + hi.abs())
+    err = (dequantize_int4(packed, scales, mins) - w).abs().reshape(n, -1, groupsize)
+    assert (err <= bound.unsqueeze(-1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on the bundled model
+
+
+def quantize_bundled(bundled_checkpoint, tmp_path_factory, mode: str, groupsize: int) -> Path:
+    """Quantize the bundled model into a fresh directory holding only its config and tokenizer
+    files, then give the file a neutral name: the scheme must come from its metadata."""
+    src = Path(bundled_checkpoint).parent
+    out_dir = tmp_path_factory.mktemp(f"{mode}-g{groupsize}")
+    for f in src.iterdir():  # the small files: config, tokenizer; not the weights
+        if f.is_file() and (f.suffix == ".json" or f.name == "tokenizer.model"):
+            shutil.copy(f, out_dir / f.name)
+    assert (out_dir / CONFIG_NAME).is_file()
+    target = out_dir / f"model_{mode}.g{groupsize}.safetensors"
+    assert quantize.quantize(bundled_checkpoint, mode, groupsize, output=target) == target
+    assert not list(out_dir.glob("*.partial"))
+    neutral = out_dir / "weights.safetensors"
+    target.rename(neutral)
+    return neutral
+
+
+@pytest.fixture(scope="module")
+def int8_file(bundled_checkpoint, tmp_path_factory):
+    return quantize_bundled(bundled_checkpoint, tmp_path_factory, "int8", 32)
+
+
+@pytest.fixture(scope="module")
+def int4_file(bundled_checkpoint, tmp_path_factory):
+    return quantize_bundled(bundled_checkpoint, tmp_path_factory, "int4", 32)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(bundled_checkpoint):
+    ids = torch.tensor(get_tokenizer(bundled_checkpoint).encode(PROMPT))
+    assert 10 <= len(ids) <= 20
+    return ids
+
+
+def logits(model, ids: torch.Tensor, token: torch.Tensor | None = None):
+    """fp32 logits of the prompt's last position (prefill: T rows) and of one decode step (one row)
+    that feeds `token` (default: the greedy one), and that token."""
+    T = len(ids)
+    model.setup_caches(1, 64)
+    with torch.no_grad():
+        last = model(ids[None], torch.arange(T))[0, -1].float()
+        token = last.argmax() if token is None else token
+        step = model(token.view(1, 1), torch.tensor([T]))[0, -1].float()
+    return last, step, token
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_checkpoint, prompt_ids):
+    """What the bf16 model gives (the model itself is not kept)."""
+    return logits(load_model(bundled_checkpoint, "cpu", "bf16"), prompt_ids)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a, b, dim=0).item()
+
+
+def check_file(path: Path, mode: str, groupsize: int):
+    """The scheme is in the metadata; the tensors are stored in its layout."""
+    c = load_config(path)
+    with safe_open(str(path), framework="pt") as f:
+        scheme = json.loads(f.metadata()["quantization"])
+        assert scheme["mode"] == mode
+        head, wo = f.get_slice("output.weight"), f.get_slice("layers.0.attention.wo.weight")
+        assert head.get_dtype() == "I8" and head.get_shape() == [c.vocab_size, c.dim]  # int8 in every mode
+        assert f.get_slice("output.scales").get_shape() == [c.vocab_size]
+        assert f.get_slice("tok_embeddings.weight").get_dtype() == "BF16"
+        k = c.n_head * c.head_dim
+        if mode == "int8":
+            assert wo.get_dtype() == "I8" and wo.get_shape() == [c.dim, k]
+            assert "layers.0.attention.wo.mins" not in f.keys()
+        else:
+            assert scheme["groupsize"] == groupsize
+            padded = -(-k // groupsize) * groupsize
+            assert wo.get_dtype() == "U8" and wo.get_shape() == [c.dim, padded // 2]
+            assert f.get_slice("layers.0.attention.wo.mins").get_shape() == [c.dim, padded // groupsize]
+
+
+def check_logits(model, prompt_ids, reference):
+    ref_last, ref_step, ref_token = reference
+    last, step, _ = logits(model, prompt_ids, ref_token)
+    cos_last, cos_step = cosine(last, ref_last), cosine(step, ref_step)
+    assert cos_last > 0.99 and cos_step > 0.99, (cos_last, cos_step)
+    assert last.argmax() == ref_token  # " Rome", by 2.4 logits over " Florence"
+
+
+def test_int8_checkpoint_end_to_end(int8_file, prompt_ids, reference):
+    check_file(int8_file, "int8", 32)
+    model = load_model(int8_file, "cpu", "bf16")
+    linears = [m for name, m in model.named_modules() if name.endswith(("wqkv", "wo", "w13", "w2", "output"))]
+    assert len(linears) == 4 * model.config.n_layer + 1 and all(type(m) is Int8Linear for m in linears)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    check_logits(model, prompt_ids, reference)  # measured cosines 0.9996 (prefill) and 0.9974 (step)
+
+
+def test_int4_checkpoint_end_to_end(int4_file, prompt_ids, reference):
+    check_file(int4_file, "int4", 32)
+    model = load_model(int4_file, "cpu", "bf16")
+    assert type(model.output) is Int8Linear  # the head is int8 in every mode
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * model.config.n_layer
+    assert all(m.groupsize == 32 and m.kernel == "cpu" for m in int4)  # packed for the CPU kernel
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # measured 0.9999 and 0.9994, closer than int8: the bundled weights come from a Q4_1 GGUF
+    # (asymmetric 4-bit in groups of 32), which int4 g32 nearly reproduces
+    check_logits(model, prompt_ids, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a UserError that says what to do, and no file (not even a partial one) left behind
+
+
+def test_unknown_mode(bundled_checkpoint, tmp_path):
+    with pytest.raises(UserError, match=r"unknown mode 'int3'.*int8, int4"):
+        quantize.quantize(bundled_checkpoint, "int3", output=tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_groupsize_not_supported(bundled_checkpoint, tmp_path):
+    with pytest.raises(UserError, match=r"groupsize 48 .*\(32, 64, 128, 256\)"):
+        quantize.quantize(bundled_checkpoint, "int4", 48, output=tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_already_quantized(int8_file, tmp_path):
+    with pytest.raises(UserError, match=r"already quantized.*bf16 checkpoint it came from"):
+        quantize.quantize(int8_file, "int4", 32, output=tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == [] and not list(int8_file.parent.glob("*.partial"))
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(UserError, match=r"no checkpoint at .*missing\.safetensors"):
+        quantize.quantize(tmp_path / "missing.safetensors", "int8")
+    with pytest.raises(UserError, match=r"no checkpoint at"):
+        quantize.quantize(tmp_path / "missing.safetensors", "int4", 32, output=tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory of loading a quantized checkpoint
+
+PEAK_RSS = """
+import sys
+import torch, generate
+
+def peak_kb():  # this process's peak RSS (VmHWM); ru_maxrss would carry over the parent's peak across exec
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+
+# The first meta-device op imports PyTorch's meta kernels (~70 MB of Python code, whatever the model's
+# size): done before the baseline, so that what is measured is the model's data.
+torch.empty(1, device="meta").normal_()
+before = peak_kb()
+model = generate.load_model(sys.argv[1], "cpu", "bf16")
+model.setup_caches(1, 256)
+print(before, peak_kb())
+"""
+
+
+@pytest.mark.parametrize("which", ["int8_file", "int4_file"])
+def test_quantized_load_peak_memory(which, request):
+    path = request.getfixturevalue(which)
+    c = load_config(path)
+    kv_bytes = 2 * c.n_layer * c.n_local_heads * 256 * c.head_dim * 2  # k and v, bf16
+    run = subprocess.run([sys.executable, "-c", PEAK_RSS, str(path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    if run.returncode != 0:  # pytest.fail, not assert: only the bound below is the expected failure
+        pytest.fail(f"loading in a subprocess failed:\n{run.stderr}")
+    before, after = (int(kb) * 1024 for kb in run.stdout.split()[-2:])
+    delta, size = after - before, os.path.getsize(path)
+    if not (before > 100 * 2**20 and delta > size / 2):  # a real measurement: torch imported, weights read
+        pytest.fail(f"implausible measurement: {before} bytes before, {delta} more after loading")
+    print(f"{which}: peak RSS delta {delta / 2**20:.1f} MiB, file {size / 2**20:.1f} MiB "
+          f"({delta / size:.2f}x), KV cache {kv_bytes / 2**20:.1f} MiB")
+    assert delta <= 1.15 * size + kv_bytes, (delta, size, kv_bytes)
