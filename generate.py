@@ -96,8 +96,12 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
     """logits: (B, V) -> next tokens (B, 1). Temperature 0 is exact argmax."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    # argmax(p / Exp(1)) draws from p without the host sync of torch.multinomial
+    return sample_from(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    """probs: (B, V) -> one draw per row (B, 1). argmax(p / Exp(1)) is a draw from p, without the
+    host sync of torch.multinomial."""
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
@@ -170,13 +174,24 @@ def compile_functions(dynamic_prefill: bool = False):
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             stop_ids: list[int] | None = None, callback=None) -> Tensor | list[Tensor]:
+             stop_ids: list[int] | None = None, callback=None, draft_model: Transformer | None = None,
+             draft: str | None = None, speculate_k: int = 5, stats: dict | None = None) -> Tensor | list[Tensor]:
     """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
     Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
-    token. callback(tokens (B,)) sees each step's tokens, e.g. for streaming."""
+    token. callback(tokens (B,)) sees each step's tokens, e.g. for streaming.
+
+    With draft_model (or draft="prompt-lookup") it decodes speculatively (speculative.py): the same
+    output, several tokens a target forward; `stats` then receives the acceptance counts."""
     single = isinstance(prompt_tokens, Tensor)
     prompts = [prompt_tokens] if single else list(prompt_tokens)
     check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p)
+    if draft_model is not None or draft is not None:
+        from speculative import speculative_generate  # it builds on this module
+
+        outputs = speculative_generate(model, prompts, max_new_tokens, draft_model=draft_model,
+                                       draft=draft or "model", speculate_k=speculate_k, stop_ids=stop_ids,
+                                       stats=stats, temperature=temperature, top_k=top_k, top_p=top_p)
+        return outputs[0] if single else outputs
     device = next(model.parameters()).device
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -280,17 +295,24 @@ def main(args):
     tokenizer = get_tokenizer(args.checkpoint_path)
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    speculation = load_drafter(args, model, device)
     if args.compile:
-        use_cpu_decode_modules(model)
+        for m in (model, speculation.get("draft_model")):
+            if m is not None:
+                use_cpu_decode_modules(m)
         compile_functions(dynamic_prefill=args.compile_prefill)
+        if speculation:
+            import speculative
+
+            speculative.compile_functions()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.interactive:
         return chat(model, tokenizer, args.max_new_tokens, sampling)
 
     if not args.prompt:
         raise UserError("the prompt is empty")
-    chat = tokenizer.chat_format is not None if args.chat is None else args.chat
-    prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=chat), dtype=torch.long)
+    use_chat = tokenizer.chat_format is not None if args.chat is None else args.chat
+    prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
     if len(prompt) + args.max_new_tokens > model.config.block_size:
         raise UserError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens}) exceed the "
                         f"model's context length {model.config.block_size}")
@@ -300,19 +322,46 @@ def main(args):
         synchronize(device)
         t0 = time.perf_counter()
         profiling = args.profile and i == args.num_samples - 1
+        stats = {}
         with profiler(args.profile) if profiling else contextlib.nullcontext():
-            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling)
+            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling, **speculation,
+                               stats=stats)
         synchronize(device)
         seconds = time.perf_counter() - t0
         if i < 0:
             print(f"Compilation (warm-up sample) took {seconds:.2f} s", file=sys.stderr)
             continue
-        print(tokenizer.decode(outputs[0].tolist()))
+        print(tokenizer.decode(outputs[0][len(prompt) if use_chat else 0:].tolist()))
         new = sum(len(o) - len(prompt) for o in outputs)
+        if stats:
+            import speculative
+
+            print(speculative.format_stats(stats, args.speculate_k), file=sys.stderr)
         print(f"Sample {i + 1}: {new} tokens in {seconds:.2f} s, {new / seconds:.2f} tok/s "
               f"({args.batch_size} x {new // args.batch_size}), "
               f"bandwidth {weight_bytes * new / args.batch_size / seconds / 1e9:.2f} GB/s, "
               f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
+
+
+def load_drafter(args, model: Transformer, device: str) -> dict:
+    """generate()'s speculative arguments for the CLI's --draft / --draft_checkpoint_path."""
+    if args.draft_checkpoint_path:
+        draft_model = load_model(args.draft_checkpoint_path, device, args.precision)
+    elif args.draft == "self-int4":
+        target = Path(args.checkpoint_path or default_checkpoint())
+        path = quantize.output_path(target, "int4", 32)
+        if not path.is_file():
+            print(f"quantizing the target to int4 for drafting, once: {path}", file=sys.stderr)
+            quantize.quantize(target, "int4", 32)
+        draft_model = load_model(path, device, args.precision)
+    elif args.draft == "prompt-lookup":
+        return dict(draft="prompt-lookup", speculate_k=args.speculate_k)
+    else:
+        return {}
+    if draft_model.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
+                        f"target's ({model.config.vocab_size}): they must share a tokenizer")
+    return dict(draft_model=draft_model, speculate_k=args.speculate_k)
 
 
 @contextlib.contextmanager
@@ -369,6 +418,11 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (exact argmax)")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="speculative decoding with this draft model (same vocabulary as the target)")
+    p.add_argument("--draft", choices=["prompt-lookup", "self-int4"], default=None,
+                   help="speculative decoding drafting from n-grams of the text so far, or with an int4 copy of the target")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
     p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
@@ -377,6 +431,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.compile_prefill and not args.compile:
         p.error("--compile_prefill goes with --compile")
+    if args.draft and args.draft_checkpoint_path:
+        p.error("--draft and --draft_checkpoint_path are two drafters: choose one")
     return args
 
 

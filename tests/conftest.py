@@ -30,3 +30,24 @@ def hf_tokenizer():
     transformers = pytest.importorskip("transformers")
     gguf = bundled_gguf()
     return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def quantized_dir(tmp_path_factory, bundled_checkpoint):
+    """A directory with the bundled model's config and tokenizer, for quantized checkpoints."""
+    import shutil
+
+    from checkpoint import CONFIG_NAME
+
+    directory = tmp_path_factory.mktemp("quantized")
+    for name in (CONFIG_NAME, "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_checkpoint.parent / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def int4_checkpoint(bundled_checkpoint, quantized_dir):
+    """The bundled model quantized to int4, groupsize 32 (round to nearest)."""
+    import quantize
+
+    return quantize.quantize(bundled_checkpoint, "int4", 32, output=quantized_dir / "int4.safetensors")

@@ -145,3 +145,19 @@ def test_cli_error_has_no_traceback(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.startswith("error: no checkpoint at") and "Traceback" not in result.stderr
+
+
+def test_interactive_chat_streams_answers():
+    result = subprocess.run([sys.executable, "generate.py", "--interactive", "--temperature", "0",
+                             "--max_new_tokens", "12"], input="What is the capital of France?\n", capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Assistant: " in result.stdout and "Paris" in result.stdout
+
+
+def test_cli_speculative_prints_acceptance():
+    result = subprocess.run([sys.executable, "generate.py", "--draft", "prompt-lookup", "--temperature", "0",
+                             "--max_new_tokens", "16", "--prompt", "Repeat: red green blue red green blue"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "acceptance rate" in result.stderr and "tok/s" in result.stderr

@@ -1,0 +1,136 @@
+"""Speculative decoding: exactly the target's output, greedy token for token and sampled in distribution."""
+
+import pytest
+import torch
+
+import speculative
+from generate import generate, get_tokenizer, load_model
+from model import ModelArgs, Transformer, UserError
+
+PROMPTS = ["Once upon a time, in a small village by the sea,",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+           "The three primary colors are red, blue and"]
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_checkpoint):
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    return [torch.tensor(tokenizer.encode(p)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def int4_draft(int4_checkpoint):
+    return load_model(int4_checkpoint, "cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def random_draft(model_fp32):
+    """A tiny draft with random weights: it proposes nonsense, so nearly everything is rejected."""
+    config = ModelArgs(vocab_size=model_fp32.config.vocab_size, n_layer=2, n_head=4, dim=64, block_size=2048)
+    torch.manual_seed(0)
+    return Transformer(config).eval()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(model_fp32, prompts):
+    batches = ([prompts[0]], prompts)  # one prompt, and prompts of different lengths together
+    return [(batch, generate(model_fp32, batch, 24, temperature=0)) for batch in batches]
+
+
+@pytest.mark.parametrize("drafter", ["int4", "random", "prompt-lookup"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_speculative_equals_plain_greedy(drafter, k, model_fp32, plain_greedy, int4_draft, random_draft):
+    kwargs = {"int4": dict(draft_model=int4_draft), "random": dict(draft_model=random_draft),
+              "prompt-lookup": dict(draft="prompt-lookup")}[drafter]
+    for batch, plain in plain_greedy:
+        stats = {}
+        spec = generate(model_fp32, batch, 24, temperature=0, speculate_k=k, stats=stats, **kwargs)
+        assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
+        assert sum(stats["accepted_counts"]) + stats["plain_steps"] > 0
+    if drafter == "int4":  # the int4 copy of this Q4_1-born model agrees with it almost always
+        assert stats["accepted_counts"][-1] > sum(stats["accepted_counts"][:-1])
+
+
+def test_stop_tokens_and_lengths(model_fp32, bundled_checkpoint, int4_draft):
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    prompt = torch.tensor(tokenizer.encode_prompt("What is 2+2?", chat=True))
+    plain = generate(model_fp32, prompt, 40, temperature=0, stop_ids=tokenizer.stop_ids)
+    spec = generate(model_fp32, prompt, 40, temperature=0, stop_ids=tokenizer.stop_ids, draft_model=int4_draft)
+    assert spec.tolist() == plain.tolist()
+    assert len(generate(model_fp32, prompt, 7, temperature=0, draft_model=int4_draft, speculate_k=5)) == len(prompt) + 7
+
+
+def test_sampling_is_seeded_and_valid(model_fp32, prompts, int4_draft):
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append([o.tolist() for o in generate(model_fp32, prompts, 20, temperature=0.9, top_k=100, top_p=0.95,
+                                                  draft_model=int4_draft, speculate_k=4)])
+    assert runs[0] == runs[1]
+    assert all(len(o) == len(p) + 20 for o, p in zip(runs[0], prompts))
+
+
+def test_draft_with_another_vocabulary_is_refused(model_fp32, prompts):
+    other = Transformer(ModelArgs(vocab_size=1000, n_layer=1, n_head=2, dim=32, block_size=256))
+    with pytest.raises(UserError, match="vocabulary"):
+        generate(model_fp32, prompts[0], 8, draft_model=other)
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram():
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 0, 0, 0], [1, 2, 3, 4, 1, 2, 3, 0, 0, 0]])
+    lengths = torch.tensor([7, 7])
+    drafts, found = speculative.prompt_lookup(tokens, lengths, k=2)
+    assert found.tolist() == [True, True]
+    assert drafts.tolist() == [[7, 8], [4, 1]]
+    drafts, found = speculative.prompt_lookup(torch.tensor([[1, 2, 3, 4, 0]]), torch.tensor([4]), k=2)
+    assert found.tolist() == [False]
+
+
+def test_greedy_acceptance():
+    logits = torch.full((2, 4, 6), -1.0)
+    best = torch.tensor([[3, 1, 2, 5], [0, 4, 4, 1]])  # the target's argmax after cur, d1, d2, d3
+    logits.scatter_(2, best[..., None], 1.0)
+    drafts = torch.tensor([[3, 1, 0], [1, 4, 4]])
+    n, next_token = speculative.accept_greedy(logits, drafts)
+    assert n.tolist() == [2, 0] and next_token.tolist() == [2, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection sampling reproduces the target's distribution: chi-square per position
+
+
+def one_hot(i, V):
+    return torch.nn.functional.one_hot(torch.tensor(i), V).float()
+
+
+CASES = {  # (target p, draft q) per position, vocabulary of 5
+    "p equals q": lambda g: (lambda p: (p, p[:-1]))(torch.distributions.Dirichlet(torch.ones(5)).sample((4,))),
+    "disjoint supports": lambda g: (torch.tensor([[0.5, 0.5, 0, 0, 0]] * 4), torch.tensor([[0, 0, 0.3, 0.3, 0.4]] * 3)),
+    "one-hot draft": lambda g: (torch.distributions.Dirichlet(torch.ones(5)).sample((4,)),
+                                torch.stack([one_hot(1, 5), one_hot(3, 5), one_hot(0, 5)])),
+    "draft zero where target is not": lambda g: (torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.0]] * 4),
+                                                 torch.tensor([[0.0, 0.0, 0.5, 0.5, 0.0]] * 3)),
+    "target zero where draft is not": lambda g: (torch.tensor([[0.0, 0.0, 0.6, 0.4, 0.0]] * 4),
+                                                 torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0]] * 3)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_sampling_reproduces_the_target_distribution(case):
+    torch.manual_seed(1234)  # reproducible; the bound is on a p-value, not on these draws
+    p, q = CASES[case](None)  # p: (k + 1, V), q: (k, V)
+    N, k, V = 40000, q.shape[0], p.shape[1]
+    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True) for j in range(k)], dim=1)  # (N, k)
+    n, t = speculative.accept_sampled(p.expand(N, k + 1, V), q.expand(N, k, V), drafts)
+    for j in range(k + 1):  # the token emitted at position j, in the rows that reach it
+        reached = n >= j
+        token = torch.where(n > j, drafts[:, min(j, k - 1)], t) if j < k else t
+        counts = torch.bincount(token[reached], minlength=V).double()
+        expected = p[j].double() * reached.sum()
+        assert (counts[expected == 0] == 0).all(), (case, j, counts)
+        support = expected > 0
+        chi2 = ((counts[support] - expected[support]) ** 2 / expected[support]).sum()
+        dof = int(support.sum()) - 1
+        if dof > 0 and reached.sum() > 1000:
+            p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2)
+            assert p_value > 1e-4, (case, j, counts.tolist(), expected.tolist())
