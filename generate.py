@@ -166,7 +166,8 @@ def compile_functions(dynamic_prefill: bool = False):
     """Compile decoding (CUDA graphs on GPU) and, optionally, prefill for any prompt length. Once
     per process: they stay compiled for every model."""
     global decode_one_token, prefill
-    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
+    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
     if dynamic_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 

@@ -93,7 +93,10 @@ class Int8Linear(nn.Module):
                 # inductor fuses this into one loop that reads int8 and dequantizes in registers: at one
                 # row it beats _weight_int8pack_mm on large weights (see generate.CPUDecodeLinear)
                 return ((x.unsqueeze(-2).float() * self.weight.float()).sum(-1) * self.scales).to(x.dtype)
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            rows = x.reshape(-1, self.in_features)
+            if rows.shape[0] > 16:  # prefill: the kernel's many-row path is slower than bf16 GEMM after dequantizing
+                return (F.linear(x, self.weight.to(x.dtype)) * self.scales).to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
             return y.reshape(*x.shape[:-1], self.out_features)
         # compiled, inductor fuses the int8 -> x.dtype conversion into the matmul
         return F.linear(x, self.weight.to(x.dtype)) * self.scales

@@ -207,8 +207,8 @@ def compile_functions():
     """Compile the drafter's step and the target's verify step, each with fixed shapes (CUDA graphs
     on GPU)."""
     global draft_step, target_step
-    draft_step = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True)
-    target_step = torch.compile(target_step, mode="reduce-overhead", fullgraph=True)
+    draft_step = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    target_step = torch.compile(target_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
 def format_stats(stats: dict, k: int) -> str:

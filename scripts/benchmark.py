@@ -146,14 +146,68 @@ def main(args):
         vs_hf = f"{hf_ms / ms:6.2f}" if hf_ms else ""
         print(f"{name:32} {ms:9.2f} {tok_s:7.1f} {nbytes / ms / 1e6:6.1f} {ms / floor:8.2f} {vs_hf}")
     if args.json:
-        record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
-                      torch=torch.__version__, threads=torch.get_num_threads(), compile_s=compile_s,
-                      hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
-                      rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes)
-                            for name, (ms, tok_s, nbytes) in rows.items()},
-                      args=vars(args))
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(args, compile_s=compile_s, rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes)
+                                                    for name, (ms, tok_s, nbytes) in rows.items()})
+
+
+# Prompts for speculative decoding: prompt lookup pays where the answer copies from the input
+SPECULATIVE_PROMPTS = {
+    "open-ended": "Write a short story about a dragon who learns to paint.",
+    "extract": "List every number that appears in this text, in order:\n\n{readme}",
+    "code-edit": "Rename the variable `config` to `cfg` in this code and print the whole code:\n```python\n{code}\n```",
+}
+
+
+@torch.no_grad()
+def speculative_main(args):
+    """Plain decoding against each drafter, compiled, on real prompts; acceptance and speedup."""
+    import speculative
+
+    model = gen.load_model(args.checkpoint_path, args.device, args.precision)
+    tokenizer = gen.get_tokenizer(args.checkpoint_path)
+    drafters = {"prompt-lookup": dict(draft="prompt-lookup")}
+    if args.draft_checkpoint_path:
+        drafters["draft model"] = dict(draft_model=gen.load_model(args.draft_checkpoint_path, args.device,
+                                                                  args.precision))
+    for m in [model] + [d["draft_model"] for d in drafters.values() if "draft_model" in d]:
+        gen.use_cpu_decode_modules(m)
+    gen.compile_functions()
+    speculative.compile_functions()
+    here = Path(__file__).parent.parent
+    fill = dict(readme=(here / "README.md").read_text()[3000:4500], code=(here / "model.py").read_text()[2000:3500])
+    print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
+          f"{args.max_new_tokens} new tokens, greedy, k={args.speculate_k}, median of {args.runs}")
+    print(f"{'prompt':12} {'drafter':14} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
+    rows = []
+    for name, text in SPECULATIVE_PROMPTS.items():
+        prompt = torch.tensor(tokenizer.encode_prompt(text.format(**fill), chat=True), device=args.device)
+
+        def run(**kw):
+            gen.generate(model, prompt, args.max_new_tokens, temperature=0, speculate_k=args.speculate_k, **kw)
+
+        run()
+        plain = statistics.median(timed(run, args.device) for _ in range(args.runs))
+        for drafter, kwargs in drafters.items():
+            run(**kwargs)
+            spec = statistics.median(timed(lambda: run(**kwargs), args.device) for _ in range(args.runs))
+            stats = {}
+            run(**kwargs, stats=stats)
+            n = args.max_new_tokens
+            print(f"{name:12} {drafter:14} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
+                  f"{speculative.format_stats(stats, args.speculate_k)}")
+            rows.append(dict(prompt=name, drafter=drafter, plain_tok_s=n / plain, speculative_tok_s=n / spec,
+                             speedup=plain / spec, **stats))
+    if args.json:
+        write_json(args, rows=rows)
+
+
+def write_json(args, **results):
+    record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
+                  torch=torch.__version__, threads=torch.get_num_threads(),
+                  hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
+                  **results, args=vars(args))
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def cpu_name() -> str:
@@ -176,8 +230,12 @@ if __name__ == "__main__":
     p.add_argument("--quantized", nargs="*", default=[], metavar="PATH",
                    help="quantized checkpoints (quantize.py) to measure in the same run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    p.add_argument("--speculative", action="store_true",
+                   help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
+    p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for --speculative")
+    p.add_argument("--speculate_k", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     if bool(args.model) != args.random_weights:
         p.error("--model and --random-weights go together")
-    gen.run_cli(main, args)
+    gen.run_cli(speculative_main if args.speculative else main, args)

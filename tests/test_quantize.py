@@ -56,7 +56,7 @@ def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (200, 128)])
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 5, 40])  # 40 rows: the prefill path
 def test_int8_linear_matches_dequantized_matmul(n, k, M):
     m, w_ref = int8_module(n, k)
     x = torch.randn(1, M, k).bfloat16()  # (B, T, k), as the model calls it
