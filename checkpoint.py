@@ -87,9 +87,11 @@ def write_json(path: Path, obj: dict):
     write_atomically(path, lambda f: json.dump(obj, f, indent=2))
 
 
-def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None
+def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.
+    select(name, shape), if given, names the pieces of a tensor to read and concatenate, as
+    (dim, [(start, stop), ...]), or None for all of it (tensor parallelism reads its own rows only).
 
     Read with plain reads into fresh memory, one tensor at a time, rather than memory-mapped: the
     file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,
@@ -105,16 +107,34 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
             tensors = {}
             for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 begin, end = info["data_offsets"]
-                t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])  # 64-byte aligned
-                f.seek(8 + header_size + begin)
-                if end - begin != t.nbytes or f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != t.nbytes:
-                    raise ValueError(f"tensor {name} is truncated")
+                shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+                if end - begin != torch.Size(shape).numel() * dtype.itemsize:
+                    raise ValueError(f"tensor {name} has the wrong size")
+                offset = 8 + header_size + begin
+                pieces = select(name, tuple(shape)) if select else None
+                if pieces is None:
+                    t = read_tensor(f, offset, shape, dtype)
+                elif pieces[0] == 0:  # rows lie together in the file: read just ours
+                    row_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
+                    t = torch.cat([read_tensor(f, offset + a * row_bytes, [b - a, *shape[1:]], dtype)
+                                   for a, b in pieces[1]])
+                else:
+                    whole = read_tensor(f, offset, shape, dtype)
+                    t = torch.cat([whole.narrow(pieces[0], a, b - a) for a, b in pieces[1]], dim=pieces[0])
                 if float_dtype is not None and t.is_floating_point():
                     t = t.to(float_dtype)
                 tensors[name] = t.to(device)
         return tensors, metadata
     except (ValueError, KeyError, TypeError, struct.error) as e:  # JSON and Unicode errors are ValueErrors
         raise UserError(f"{path} is not a readable safetensors file ({e}); delete it and convert again")
+
+
+def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)  # 64-byte aligned
+    f.seek(offset)
+    if f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != t.nbytes:
+        raise ValueError("the file is truncated")
+    return t
 
 
 def load_config(checkpoint_path: Path) -> ModelArgs:

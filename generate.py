@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor
 
 from checkpoint import check_checkpoint_path, default_checkpoint, load_config, read_safetensors
 import quantize
+import tp
 from model import Attention, Transformer, UserError
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -33,15 +35,23 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 
 
 def load_model(checkpoint_path: Path | str | None = None, device: str | None = None,
-               precision: str = "bf16") -> Transformer:
+               precision: str = "bf16", rank: int = 0, world_size: int = 1) -> Transformer:
     """Build the model on the meta device, swap in quantized modules if the checkpoint says so, and
     load the weights into it in place (`assign=True`): neither a randomly initialized nor a bf16 copy
-    of a quantized model ever exists. None means the bundled model."""
+    of a quantized model ever exists. None means the bundled model. With world_size > 1 (tp.py), this
+    rank's slice of the model, reading only its slice of the weights."""
     checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
     check_checkpoint_path(checkpoint_path)
     device = device or default_device()
     config = load_config(checkpoint_path)
-    state_dict, metadata = read_safetensors(checkpoint_path, device, PRECISIONS[precision])
+    select = None
+    if world_size > 1:
+        with safe_open(str(checkpoint_path), framework="pt") as f:  # reads the header only
+            scheme = quantize.read_scheme(f.metadata() or {})
+        tp.check_divisible(config, world_size, scheme["groupsize"] if scheme and scheme["mode"] == "int4" else None)
+        select = tp.shard_selector(config, rank, world_size)
+        config = tp.local_config(config, world_size)
+    state_dict, metadata = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select)
     with torch.device("meta"):
         model = Transformer(config)
     scheme = quantize.read_scheme(metadata)
@@ -59,6 +69,8 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     if tied:  # assign=True replaced the tied parameter: tie it again
         model.output.weight = model.tok_embeddings.weight
     quantize.pack_for_device(model)
+    if world_size > 1:
+        tp.add_all_reduces(model)
     return model.eval()
 
 
@@ -284,6 +296,21 @@ def synchronize(device: str):
 
 
 def main(args):
+    rank, world_size = tp.maybe_init_distributed()
+    try:
+        run(args, rank, world_size)
+    finally:
+        if world_size > 1:
+            torch.distributed.destroy_process_group()
+
+
+def run(args, rank: int = 0, world_size: int = 1):
+    if rank != 0:  # only rank 0 speaks (a user error on every rank is printed by rank 0 alone)
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    if world_size > 1:
+        if args.interactive:
+            raise UserError("--interactive reads the terminal from one process: run it without torchrun")
+        torch.manual_seed(tp.shared_seed())  # the same logits on every rank must sample the same tokens
     device = args.device or default_device()
     if args.compile and device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         raise UserError("--compile on CPU needs a C++ compiler (g++ or clang++) on PATH")
@@ -292,7 +319,7 @@ def main(args):
     if args.batch_size < 1 or args.num_samples < 1:
         raise UserError("--batch_size and --num_samples must be at least 1")
     t0 = time.perf_counter()
-    model = load_model(args.checkpoint_path, device, args.precision)
+    model = load_model(args.checkpoint_path, device, args.precision, rank, world_size)
     tokenizer = get_tokenizer(args.checkpoint_path)
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)

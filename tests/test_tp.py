@@ -1,0 +1,65 @@
+"""Tensor parallelism on CPU: 3 gloo processes (SmolLM2-135M has 9 heads and 3 key/value heads) give
+the single process's greedy tokens, and its logits within a tolerance."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tp
+from model import ModelArgs, UserError
+from tests.tp_worker import CLEAR_MARGIN_PROMPTS, PROMPTS, run_case
+
+# max |diff| / max |logit|: the sharded sums are added in another order; in bf16 (8 bits of mantissa)
+# that moves logits of ~20 by up to ~0.6 after 30 layers, about what bf16 itself costs against fp32
+TOLERANCE = {"fp32": 1e-4, "bf16": 4e-2}
+
+
+@pytest.fixture(scope="module")
+def sharded_results(bundled_checkpoint, quantized_dir, int4_checkpoint, tmp_path_factory):
+    import quantize
+
+    int8 = quantize.quantize(bundled_checkpoint, "int8", output=quantized_dir / "int8.safetensors")
+    cases = [f"fp32:{bundled_checkpoint}", f"bf16:{bundled_checkpoint}", f"bf16:{int8}", f"bf16:{int4_checkpoint}"]
+    out = tmp_path_factory.mktemp("tp") / "results.pt"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                          "tests/tp_worker.py", str(out)] + cases, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", ["fp32 bf16-weights", "bf16", "int8", "int4"])
+def test_three_ranks_match_one(case, sharded_results):
+    key = list(sharded_results)[["fp32 bf16-weights", "bf16", "int8", "int4"].index(case)]
+    precision, checkpoint = key.split(":", 1)
+    single = run_case(checkpoint, precision)
+    assert sharded_results[key]["local_heads"] == 3  # each rank held a third of the 9 heads
+    for prompt in PROMPTS:
+        logits, tokens = sharded_results[key][prompt]
+        ref_logits, ref_tokens = single[prompt]
+        assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() <= TOLERANCE[precision]
+        if precision == "fp32" or prompt in CLEAR_MARGIN_PROMPTS:
+            assert tokens.tolist() == ref_tokens.tolist(), (case, prompt)
+
+
+def test_sizes_that_do_not_split_are_refused():
+    config = ModelArgs.from_name("SmolLM2-135M")
+    with pytest.raises(UserError, match=r"world sizes that work: \[1, 3\]"):
+        tp.check_divisible(config, 2)
+    with pytest.raises(UserError, match="int4 groups of 256"):
+        tp.check_divisible(config, 3, groupsize=256)
+    tp.check_divisible(config, 3, groupsize=32)
+
+
+def test_shard_selector_splits_fused_parts_on_their_own_boundaries():
+    config = ModelArgs(n_layer=1, n_head=4, n_local_heads=2, dim=32, intermediate_size=48, vocab_size=10)
+    select = tp.shard_selector(config, rank=1, world=2)
+    q, kv = 4 * 8, 2 * 8
+    assert select("layers.0.attention.wqkv.weight", (q + 2 * kv, 32)) == (0, [(16, 32), (40, 48), (56, 64)])
+    assert select("layers.0.feed_forward.w13.scales", (96,)) == (0, [(24, 48), (72, 96)])
+    assert select("layers.0.attention.wo.weight", (32, 16)) == (1, [(8, 16)])  # int4: k/2 bytes a row
+    assert select("layers.0.feed_forward.w2.scales", (32,)) is None  # per output row: every rank needs all
+    assert select("tok_embeddings.weight", (10, 32)) is None

@@ -1,0 +1,101 @@
+"""Tensor parallelism: `torchrun --nproc_per_node=N generate.py ...` shards the model over N processes
+(NCCL on GPUs, gloo on CPU).
+
+Each rank holds a slice of every layer: attention by heads (q, k and v each split on its own head
+boundary, the output projection by its input columns) and the MLP by hidden units (gate and up by
+rows, down by input columns). The row-wise layers (wo, w2) produce partial sums, added up by one
+all-reduce each: two per layer and token. Embeddings and the output head are replicated.
+
+A rank's model is simply a narrower model (fewer heads, a smaller MLP, built from `local_config`)
+with an all-reduce hook on wo and w2: model.py knows nothing of it. Each rank reads only its own
+rows of the checkpoint; quantized layouts shard the same way (per-row scales follow their rows;
+int4's per-group scales follow their columns, so a shard must hold whole groups).
+"""
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from model import ModelArgs, Transformer, UserError
+
+
+def maybe_init_distributed() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment, with the process group started; (0, 1) alone."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return 0, 1
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        if world > torch.cuda.device_count():
+            raise UserError(f"{world} processes but {torch.cuda.device_count()} GPUs: use --nproc_per_node "
+                            f"{torch.cuda.device_count()} or fewer")
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return rank, world
+
+
+def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None):
+    """A clear error, naming the world sizes that work, when the model does not split `world` ways."""
+    def fits(w):
+        ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and config.intermediate_size % w == 0
+        if groupsize:  # int4 row-wise shards must hold whole groups of input columns
+            ok &= (config.n_head * config.head_dim // w) % groupsize == 0 and (config.intermediate_size // w) % groupsize == 0
+        return ok
+
+    if not fits(world):
+        sizes = [w for w in range(1, config.n_head + 1) if fits(w)]
+        raise UserError(f"this model ({config.n_head} heads, {config.n_local_heads} key/value heads, MLP of "
+                        f"{config.intermediate_size}{f', int4 groups of {groupsize}' if groupsize else ''}) does not "
+                        f"split {world} ways; world sizes that work: {sizes}")
+
+
+def local_config(config: ModelArgs, world: int) -> ModelArgs:
+    """The shape of one rank's slice: a model with 1/world of the heads and of the MLP."""
+    return dataclasses.replace(config, n_head=config.n_head // world, n_local_heads=config.n_local_heads // world,
+                               intermediate_size=config.intermediate_size // world, head_dim=config.head_dim)
+
+
+def shard_selector(config: ModelArgs, rank: int, world: int):
+    """For the checkpoint reader: tensor name -> (dim, [(start, stop), ...]) of this rank's pieces, or
+    None for a replicated tensor. Ranges are in units of the tensor's own dimension, so the same rule
+    serves a bf16 weight, an int4 weight of k/2 bytes a row, and per-group scales."""
+    c = config
+    q, kv = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
+    column_parts = {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [c.intermediate_size] * 2}
+
+    def select(name: str, shape: tuple) -> tuple[int, list[tuple[int, int]]] | None:
+        module = ".".join(name.split(".")[2:4])
+        if not name.startswith("layers."):
+            return None
+        if module in column_parts:  # split each fused part's rows on its own boundary
+            starts = [sum(column_parts[module][:i]) for i in range(len(column_parts[module]))]
+            return 0, [(s + rank * n // world, s + (rank + 1) * n // world)
+                       for s, n in zip(starts, column_parts[module])]
+        if module in ("attention.wo", "feed_forward.w2") and len(shape) == 2:  # input columns (per-row scales stay)
+            return 1, [(rank * shape[1] // world, (rank + 1) * shape[1] // world)]
+        return None
+
+    return select
+
+
+def add_all_reduces(model: Transformer):
+    """Sum the row-wise layers' partial outputs over the ranks. Functional collectives, so that the
+    compiled decode step traces them."""
+    def all_reduce(module, args, output: Tensor) -> Tensor:
+        # summed in fp32: one rounding to the model's dtype, not one per rank (the bytes are few)
+        return funcol.all_reduce(output.float(), "sum", dist.group.WORLD).to(output.dtype)
+
+    for layer in model.layers:
+        layer.attention.wo.register_forward_hook(all_reduce)
+        layer.feed_forward.w2.register_forward_hook(all_reduce)
+
+
+def shared_seed() -> int:
+    """One seed for every rank, so that sampling draws the same tokens from the same logits."""
+    seed = torch.randint(0, 2**31, (1,))
+    dist.broadcast(seed, src=0)
+    return int(seed)
