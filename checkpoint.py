@@ -145,11 +145,16 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
     return ModelArgs.from_dict(json.loads(path.read_text()))
 
 
-def check_checkpoint_path(checkpoint_path: Path):
-    checkpoint_path = Path(checkpoint_path)
+def resolve_checkpoint(checkpoint_path: Path | str | None) -> Path:
+    """The checkpoint file a user means: None is the bundled model, a directory its model.safetensors."""
+    checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
+    if checkpoint_path.is_dir():
+        checkpoint_path = checkpoint_path / "model.safetensors"
     if not checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {checkpoint_path}: get one with scripts/prepare.sh REPO_ID "
-                        f"(e.g. meta-llama/Llama-3.1-8B-Instruct), or leave out --checkpoint_path for the bundled model")
+                        f"(e.g. meta-llama/Llama-3.1-8B-Instruct), or leave out --checkpoint_path for the "
+                        f"bundled model")
+    return checkpoint_path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +229,8 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
         if (rows, *shape[1:]) != tuple(shapes[name]):
             raise UserError(f"{parts[0]} has shape {shape}, which does not fit config.json "
                             f"({name} should be {tuple(shapes[name])})")
-        entries.append(single(name, dtype, shapes[name], lambda parts=parts: torch.cat([source[p][2]() for p in parts])))
+        read = lambda parts=parts: torch.cat([source[p][2]() for p in parts])  # noqa: E731
+        entries.append(single(name, dtype, shapes[name], read))
     write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
     write_json(output.parent / CONFIG_NAME, asdict(args))
     return output
@@ -310,7 +316,8 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    entries = [single(name, torch.float32, shapes[name], lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
+    entries = [single(name, torch.float32, shapes[name],
+                      lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
                for name, parts in names.items()]
 
     out_dir = Path(out_dir)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import check_checkpoint_path, default_checkpoint, load_config, read_safetensors
+from checkpoint import load_config, read_safetensors, resolve_checkpoint
 import quantize
 import tp
 from model import Attention, Transformer, UserError
@@ -40,8 +40,7 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     load the weights into it in place (`assign=True`): neither a randomly initialized nor a bf16 copy
     of a quantized model ever exists. None means the bundled model. With world_size > 1 (tp.py), this
     rank's slice of the model, reading only its slice of the weights."""
-    checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
-    check_checkpoint_path(checkpoint_path)
+    checkpoint_path = resolve_checkpoint(checkpoint_path)
     device = device or default_device()
     config = load_config(checkpoint_path)
     select = None
@@ -76,7 +75,7 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
 
 def get_tokenizer(checkpoint_path: Path | str | None = None) -> Tokenizer:
     """The tokenizer stored beside a checkpoint (None: the bundled model's)."""
-    return load_tokenizer(Path(checkpoint_path or default_checkpoint()).parent)
+    return load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
 
 
 def default_device() -> str:
@@ -376,7 +375,7 @@ def load_drafter(args, model: Transformer, device: str) -> dict:
     if args.draft_checkpoint_path:
         draft_model = load_model(args.draft_checkpoint_path, device, args.precision)
     elif args.draft == "self-int4":
-        target = Path(args.checkpoint_path or default_checkpoint())
+        target = resolve_checkpoint(args.checkpoint_path)
         path = quantize.output_path(target, "int4", 32)
         if not path.is_file():
             print(f"quantizing the target to int4 for drafting, once: {path}", file=sys.stderr)
@@ -424,8 +423,9 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
             nonlocal printed
             new.append(int(tokens[0]))
             text = tokenizer.decode([t for t in new if t not in tokenizer.stop_ids])
-            print(text[len(printed):], end="", flush=True)
-            printed = text
+            if not text.endswith("\ufffd"):  # wait for the rest of a character split across tokens
+                print(text[len(printed):], end="", flush=True)
+                printed = text
 
         generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **sampling)
         print()
@@ -449,13 +449,15 @@ def parse_args(argv=None):
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (same vocabulary as the target)")
     p.add_argument("--draft", choices=["prompt-lookup", "self-int4"], default=None,
-                   help="speculative decoding drafting from n-grams of the text so far, or with an int4 copy of the target")
+                   help="speculative decoding, drafting from n-grams of the text so far, or with an int4 copy "
+                        "of the target")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
     p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    p.add_argument("--profile", default=None, metavar="TRACE.json", help="write a torch profiler trace of the last sample")
+    p.add_argument("--profile", default=None, metavar="TRACE.json",
+                   help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
     if args.compile_prefill and not args.compile:
         p.error("--compile_prefill goes with --compile")

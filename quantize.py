@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import Group, check_checkpoint_path, default_checkpoint, load_config, single, write_safetensors
+from checkpoint import Group, load_config, resolve_checkpoint, single, write_safetensors
 from model import KVCache, ModelArgs, Transformer, TransformerBlock, UserError, causal_mask, rope_cache
 from tokenizer import load_tokenizer
 
@@ -235,8 +235,7 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
              calibration_file: Path | None = None, calibration_samples: int = 32, calibration_seq_len: int = 512
              ) -> Path:
     """Write a quantized copy of a checkpoint beside it, tensor by tensor."""
-    checkpoint_path = Path(checkpoint_path)
-    check_checkpoint_path(checkpoint_path)
+    checkpoint_path = resolve_checkpoint(checkpoint_path)
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "int4-gguf":
@@ -409,7 +408,6 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
     GGUF, not re-quantized. The head is int8 as in every mode."""
     import gguf
 
-    checkpoint_dir = Path(checkpoint_path).parent
     with safe_open(str(checkpoint_path), framework="pt") as f:
         gguf_path = (f.metadata() or {}).get("source", "")
     if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
@@ -426,7 +424,8 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
         blocks = torch.from_numpy(t.data.copy()).view(t.data.shape[0], -1, 20)  # (rows, k/32, 20 bytes)
         d, m, qs = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
         levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
-        parts = [pack_int4(levels), d.contiguous().view(torch.float16)[..., 0], m.contiguous().view(torch.float16)[..., 0]]
+        d, m = (x.contiguous().view(torch.float16)[..., 0] for x in (d, m))  # (rows, k/32) each
+        parts = [pack_int4(levels), d, m]
         h = heads.get(name.split(".")[2])
         if h:  # undo llama.cpp's interleaving of each head's rotary halves, on rows
             parts = [p.reshape(h, p.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(p.shape) for p in parts]
@@ -451,7 +450,8 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
                      (f"{base}.mins", torch.float16, (n, k // 32))]
             groups.append((specs, lambda names=names: [torch.cat(p) for p in zip(*map(q4_1, names))]))
         else:
-            groups.append(single(name, torch.bfloat16, tensor.shape, lambda name=name: source.get_tensor(name).bfloat16()))
+            read = lambda name=name: source.get_tensor(name).bfloat16()  # noqa: E731
+            groups.append(single(name, torch.bfloat16, tensor.shape, read))
     output = Path(output or output_path(checkpoint_path, "int4-gguf", 32))
     scheme = {"mode": "int4", "groupsize": 32, "method": "gguf-q4_1", "head": "int8"}
     write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(gguf_path)},
@@ -466,8 +466,7 @@ def read_scheme(metadata: dict[str, str]) -> dict | None:
 
 
 def main(args):
-    checkpoint_path = args.checkpoint_path or default_checkpoint()
-    path = quantize(checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file,
+    path = quantize(args.checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file,
                     args.calibration_samples, args.calibration_seq_len)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); run: python generate.py --checkpoint_path {path}")
 

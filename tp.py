@@ -43,7 +43,7 @@ def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None)
     def fits(w):
         ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and config.intermediate_size % w == 0
         if groupsize:  # int4 row-wise shards must hold whole groups of input columns
-            ok &= (config.n_head * config.head_dim // w) % groupsize == 0 and (config.intermediate_size // w) % groupsize == 0
+            ok &= all((k // w) % groupsize == 0 for k in (config.n_head * config.head_dim, config.intermediate_size))
         return ok
 
     if not fits(world):

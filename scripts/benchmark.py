@@ -59,7 +59,6 @@ def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_byte
             linear(x, w)
         seconds = timed(lambda: [linear(x, weights[i % copies]) for i in range(iters)], device) / iters
         total += count * seconds
-        del weights
     return total * 1e3
 
 
