@@ -236,13 +236,14 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
                 break
 
     new_tokens = torch.cat(new_tokens, dim=1).cpu()  # (B, generated)
-    outputs = []
-    for p, row in zip(prompts, new_tokens):
-        if stop_ids:
-            hits = torch.isin(row, torch.tensor(stop_ids)).nonzero()
-            row = row[: hits[0, 0] + 1] if len(hits) else row
-        outputs.append(torch.cat([p.cpu(), row]))
+    outputs = [torch.cat([p.cpu(), until_stop(row, stop_ids)]) for p, row in zip(prompts, new_tokens)]
     return outputs[0] if single else outputs
+
+
+def until_stop(new_tokens: Tensor, stop_ids: list[int] | None) -> Tensor:
+    """new_tokens up to and including the first stop token."""
+    hits = torch.isin(new_tokens, torch.tensor(stop_ids or [])).nonzero()
+    return new_tokens[: hits[0, 0] + 1] if len(hits) else new_tokens
 
 
 def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p):
@@ -416,6 +417,9 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
         budget = min(max_new_tokens, model.config.block_size - len(prompt))
         if budget < 1:
             raise UserError("the dialog has reached the model's context length")
+        # the cache grows with the dialog by doubling, so that compiled decoding recompiles rarely
+        needed = padded_length(len(prompt) + budget)
+        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size))
         new, printed = [], ""
         print("Assistant: ", end="", flush=True)
 

@@ -150,12 +150,13 @@ class Transformer(nn.Module):
         self.max_seq_length = -1
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        """Allocate the static KV cache and the RoPE table for up to max_seq_length positions."""
+        """Allocate the static KV cache and the RoPE table for at least max_seq_length positions
+        (a larger cache from before is kept: a new shape would cost compiled code a recompile)."""
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
-        if (max_batch_size, max_seq_length) == (self.max_batch_size, self.max_seq_length):
-            return  # stale entries are masked by position, so the cache needs no clearing
+        if max_batch_size == self.max_batch_size and max_seq_length <= self.max_seq_length:
+            return  # big enough; stale entries are masked by position, so the cache needs no clearing
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
         weight = self.output.weight

@@ -94,14 +94,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
 
     if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted; steps without drafts
         stats.update(accepted_counts=accepted_counts.tolist(), plain_steps=plain_steps)
-    outputs = []
-    for p, row, end in zip(prompts, tokens.cpu(), torch.minimum(lengths, limit).tolist()):
-        new = row[len(p): end]
-        if stop_ids:
-            hits = torch.isin(new, torch.tensor(stop_ids)).nonzero()
-            new = new[: hits[0, 0] + 1] if len(hits) else new
-        outputs.append(torch.cat([p.cpu(), new]))
-    return outputs
+    ends = torch.minimum(lengths, limit).tolist()
+    return [torch.cat([p.cpu(), gen.until_stop(row[len(p): end], stop_ids)])
+            for p, row, end in zip(prompts, tokens.cpu(), ends)]
 
 
 def draft_with_model(drafter: Transformer, tokens: Tensor, lengths: Tensor, k: int, **sampling
