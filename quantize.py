@@ -3,6 +3,7 @@
     python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int8
     python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int4 --groupsize 32
     python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int4-gptq --groupsize 64
+    python quantize.py --mode int4-gguf       # the bundled model's own Q4_1 weights, copied losslessly
 
 Modes: int8 (per output channel, symmetric), int4 (per group of `groupsize` input columns,
 asymmetric, round to nearest) and int4-gptq (the same format, with GPTQ's error-compensating

@@ -2,7 +2,9 @@
 on the same weights, and the model's matmul floor.
 
     python scripts/benchmark.py                                  # the bundled SmolLM2-135M-Instruct, bf16
+    python scripts/benchmark.py --quantized checkpoints/X/model_int8.safetensors checkpoints/X/model_int4.g32.safetensors
     python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --json out.json
+    python scripts/benchmark.py --speculative [--draft_checkpoint_path DRAFT]   # drafters on real prompts
 
 The floor is the summed time of the model's weight matmuls at one row (F.linear on each weight shape,
 with enough copies of each weight that none stays in cache) plus the output head: what a decode step
