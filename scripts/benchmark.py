@@ -36,14 +36,23 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def decode_ms_per_token(run, n_new: int, runs: int, device: str) -> tuple[float, float]:
-    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count, and tok/s of
-    the whole run(n_new) as a user sees it. The first calls (warm-up, compilation) are not counted."""
+def decode_ms_per_token(run, n_new: int, runs: int, device: str) -> tuple[float, float, float]:
+    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count; tok/s of
+    the whole run(n_new) as a user sees it; and ms to the first token (run(1): prefill and sampling).
+    The first calls (warm-up, compilation) are not counted."""
     run(n_new), run(1)
     full = [timed(lambda: run(n_new), device) for _ in range(runs)]
     first = [timed(lambda: run(1), device) for _ in range(runs)]
     per_token = (statistics.median(full) - statistics.median(first)) / (n_new - 1)
-    return per_token * 1e3, n_new / statistics.median(full)
+    return per_token * 1e3, n_new / statistics.median(full), statistics.median(first) * 1e3
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
+    """What the device's memory really moves: bytes read plus written by a large copy, median of 5."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), device) for _ in range(5)) / 1e9
 
 
 def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_bytes: int = 256 << 20) -> float:
@@ -113,20 +122,22 @@ def main(args):
 
     def measure(name: str, m: Transformer):
         run = lambda n: gen.generate(m, prompt, n, temperature=0)  # noqa: E731
-        rows[name] = (*decode_ms_per_token(run, n_new, args.runs, args.device), gen.weight_bytes_per_token(m))
+        ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
+        rows[name] = (ms, tok_s, gen.weight_bytes_per_token(m), ttft)
 
+    bandwidth = copy_bandwidth_gbs(args.device)
     floor = matmul_floor_ms(model, args.device)
-    rows["matmul floor (F.linear)"] = (floor, 1e3 / floor, gen.weight_bytes_per_token(model))
+    rows["matmul floor (F.linear)"] = (floor, 1e3 / floor, gen.weight_bytes_per_token(model), None)
     if args.device == "cpu":  # what compiled decoding uses on CPU instead (generate.CPUDecodeLinear)
         ms = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_linear))
-        rows["floor (compiled mul-sum)"] = (ms, 1e3 / ms, gen.weight_bytes_per_token(model))
+        rows["floor (compiled mul-sum)"] = (ms, 1e3 / ms, gen.weight_bytes_per_token(model), None)
     measure(f"ours {args.precision} eager", model)
     if not args.no_hf:
         hf = hf_model_from(model)
         run = lambda n: hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
                                     pad_token_id=0)
-        rows[f"HF {args.precision} eager"] = (*decode_ms_per_token(run, n_new, args.runs, args.device),
-                                              gen.weight_bytes_per_token(model))
+        ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
+        rows[f"HF {args.precision} eager"] = (ms, tok_s, gen.weight_bytes_per_token(model), ttft)
         del hf
     gen.compile_functions()
     gen.use_cpu_decode_modules(model)
@@ -142,13 +153,19 @@ def main(args):
           f"{args.device}, prompt {args.prompt_length} tokens, {n_new} new, median of {args.runs}; "
           f"first compiled run {compile_s:.1f} s")
     hf_ms = rows.get(f"HF {args.precision} eager", (None,))[0]
-    print(f"{'':32} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'x floor':>8} {'vs HF':>6}")
-    for name, (ms, tok_s, nbytes) in rows.items():
+    print(f"measured copy bandwidth {bandwidth:.1f} GB/s; MBU = weight GB/s / that; "
+          f"peak memory {gen.peak_memory_gb(args.device):.2f} GB")
+    print(f"{'':32} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'MBU':>5} {'TTFT ms':>8} {'x floor':>8} {'vs HF':>6}")
+    for name, (ms, tok_s, nbytes, ttft) in rows.items():
         vs_hf = f"{hf_ms / ms:6.2f}" if hf_ms else ""
-        print(f"{name:32} {ms:9.2f} {tok_s:7.1f} {nbytes / ms / 1e6:6.1f} {ms / floor:8.2f} {vs_hf}")
+        gbs = nbytes / ms / 1e6
+        ttft = f"{ttft:8.1f}" if ttft else " " * 8
+        print(f"{name:32} {ms:9.2f} {tok_s:7.1f} {gbs:6.1f} {gbs / bandwidth:5.0%} {ttft} {ms / floor:8.2f} {vs_hf}")
     if args.json:
-        write_json(args, compile_s=compile_s, rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes)
-                                                    for name, (ms, tok_s, nbytes) in rows.items()})
+        write_json(args, compile_s=compile_s, copy_bandwidth_gbs=bandwidth,
+                   peak_memory_gb=gen.peak_memory_gb(args.device),
+                   rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes, ttft_ms=ttft)
+                         for name, (ms, tok_s, nbytes, ttft) in rows.items()})
 
 
 # Prompts for speculative decoding: prompt lookup pays where the answer copies from the input
