@@ -138,6 +138,12 @@ def main(args):
                                     pad_token_id=0)
         ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
         rows[f"HF {args.precision} eager"] = (ms, tok_s, gen.weight_bytes_per_token(model), ttft)
+        if args.hf_compile:  # HF's own fast path: a static cache and a compiled forward
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            run = lambda n: hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
+                                        pad_token_id=0, cache_implementation="static")
+            ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
+            rows[f"HF {args.precision} static cache + compile"] = (ms, tok_s, gen.weight_bytes_per_token(model), ttft)
         del hf
     gen.compile_functions()
     gen.use_cpu_decode_modules(model)
@@ -248,6 +254,8 @@ if __name__ == "__main__":
     p.add_argument("--quantized", nargs="*", default=[], metavar="PATH",
                    help="quantized checkpoints (quantize.py) to measure in the same run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also HF with its static cache and a compiled forward (compiling takes minutes on CPU)")
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for --speculative")
