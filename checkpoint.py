@@ -177,6 +177,12 @@ def hf_names(args: ModelArgs) -> dict[str, list[str]]:
     return names
 
 
+def fused_parts(args: ModelArgs) -> dict[str, list[int]]:
+    """Rows of each part of our fused weights, per layer: q, k, v in wqkv; gate, up in w13."""
+    q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+    return {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [args.intermediate_size] * 2}
+
+
 class HFWeights:
     """Shapes, dtypes and lazy loaders of the tensors in HF safetensors or pytorch_model.bin shards."""
 
@@ -294,31 +300,16 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tie_embeddings="output.weight" not in tensors,
     )
 
-    def dequantize(name: str, heads: int | None = None) -> torch.Tensor:
+    def dequantize(name: str, heads: int | None) -> torch.Tensor:
         t = tensors[name]
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
-        if heads is not None:  # undo llama.cpp's interleaving of each head's rotary halves
-            rows, cols = w.shape
-            w = w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-        return w
+        return w if heads is None else unpermute_rows(w, heads)
 
-    names = {"tok_embeddings.weight": [("token_embd.weight", None)], "norm.weight": [("output_norm.weight", None)]}
-    if not args.tie_embeddings:
-        names["output.weight"] = [("output.weight", None)]
-    for i in range(args.n_layer):
-        b, ours = f"blk.{i}.", f"layers.{i}."
-        names[ours + "attention.wqkv.weight"] = [(b + "attn_q.weight", n_head), (b + "attn_k.weight", n_kv),
-                                                 (b + "attn_v.weight", None)]
-        names[ours + "attention.wo.weight"] = [(b + "attn_output.weight", None)]
-        names[ours + "feed_forward.w13.weight"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
-        names[ours + "feed_forward.w2.weight"] = [(b + "ffn_down.weight", None)]
-        names[ours + "attention_norm.weight"] = [(b + "attn_norm.weight", None)]
-        names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     entries = [single(name, torch.float32, shapes[name],
                       lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
-               for name, parts in names.items()]
+               for name, parts in gguf_names(args).items()]
 
     out_dir = Path(out_dir)
     write_gguf_tokenizer(meta, out_dir)
@@ -326,6 +317,29 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
     write_json(out_dir / CONFIG_NAME, asdict(args))
     return output
+
+
+def gguf_names(args: ModelArgs) -> dict[str, list[tuple[str, int | None]]]:
+    """Our parameter name -> the GGUF tensors concatenated (along rows) to make it, each with the head
+    count whose rotary halves llama.cpp interleaved in its rows (None where it did not)."""
+    names = {"tok_embeddings.weight": [("token_embd.weight", None)], "norm.weight": [("output_norm.weight", None)]}
+    if not args.tie_embeddings:
+        names["output.weight"] = [("output.weight", None)]
+    for i in range(args.n_layer):
+        b, ours = f"blk.{i}.", f"layers.{i}."
+        names[ours + "attention.wqkv.weight"] = [(b + "attn_q.weight", args.n_head),
+                                                 (b + "attn_k.weight", args.n_local_heads), (b + "attn_v.weight", None)]
+        names[ours + "attention.wo.weight"] = [(b + "attn_output.weight", None)]
+        names[ours + "feed_forward.w13.weight"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
+        names[ours + "feed_forward.w2.weight"] = [(b + "ffn_down.weight", None)]
+        names[ours + "attention_norm.weight"] = [(b + "attn_norm.weight", None)]
+        names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
+    return names
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's rotary halves, on the rows of w (any row width)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_gguf_tokenizer(meta: dict, out_dir: Path):

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import Group, load_config, resolve_checkpoint, single, write_safetensors
+from checkpoint import (Group, gguf_names, load_config, resolve_checkpoint, single, unpermute_rows,
+                        write_safetensors)
 from model import KVCache, ModelArgs, Transformer, TransformerBlock, UserError, causal_mask, rope_cache
 from tokenizer import load_tokenizer
 
@@ -416,9 +417,8 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
     reader = gguf.GGUFReader(gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = load_config(checkpoint_path)
-    heads = {"attn_q": config.n_head, "attn_k": config.n_local_heads}
 
-    def q4_1(name: str) -> tuple[Tensor, Tensor, Tensor]:
+    def q4_1(name: str, heads: int | None) -> list[Tensor]:
         t = tensors[name]
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
             raise UserError(f"{name} is {t.tensor_type.name}, not Q4_1: this GGUF has no lossless int4 import")
@@ -427,29 +427,23 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
         levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
         d, m = (x.contiguous().view(torch.float16)[..., 0] for x in (d, m))  # (rows, k/32) each
         parts = [pack_int4(levels), d, m]
-        h = heads.get(name.split(".")[2])
-        if h:  # undo llama.cpp's interleaving of each head's rotary halves, on rows
-            parts = [p.reshape(h, p.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(p.shape) for p in parts]
-        return parts
+        return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 
     source = safe_open(str(checkpoint_path), framework="pt")
     with torch.device("meta"):
         model = Transformer(config)
-    gguf_names = {"attention.wqkv": ["attn_q", "attn_k", "attn_v"], "attention.wo": ["attn_output"],
-                  "feed_forward.w13": ["ffn_gate", "ffn_up"], "feed_forward.w2": ["ffn_down"]}
+    linears, sources = {f"{n}.weight" for n in linear_names(model)}, gguf_names(config)
     groups = []
     for name, tensor in model.state_dict().items():
-        parts = name.split(".")
         if name == "output.weight":
             read = lambda: source.get_tensor("tok_embeddings.weight")  # noqa: E731
             groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int4"}))
-        elif parts[0] == "layers" and ".".join(parts[2:4]) in gguf_names:
-            i, base = parts[1], ".".join(parts[:4])
-            names = [f"blk.{i}.{g}.weight" for g in gguf_names[".".join(parts[2:4])]]
-            n, k = tensor.shape
+        elif name in linears:
+            base, (n, k) = name.removesuffix(".weight"), tensor.shape
             specs = [(f"{base}.weight", torch.uint8, (n, k // 2)), (f"{base}.scales", torch.float16, (n, k // 32)),
                      (f"{base}.mins", torch.float16, (n, k // 32))]
-            groups.append((specs, lambda names=names: [torch.cat(p) for p in zip(*map(q4_1, names))]))
+            parts = sources[name]
+            groups.append((specs, lambda parts=parts: [torch.cat(p) for p in zip(*(q4_1(*g) for g in parts))]))
         else:
             read = lambda name=name: source.get_tensor(name).bfloat16()  # noqa: E731
             groups.append(single(name, torch.bfloat16, tensor.shape, read))

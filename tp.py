@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from checkpoint import fused_parts
 from model import ModelArgs, Transformer, UserError
 
 
@@ -63,9 +64,7 @@ def shard_selector(config: ModelArgs, rank: int, world: int):
     """For the checkpoint reader: tensor name -> (dim, [(start, stop), ...]) of this rank's pieces, or
     None for a replicated tensor. Ranges are in units of the tensor's own dimension, so the same rule
     serves a bf16 weight, an int4 weight of k/2 bytes a row, and per-group scales."""
-    c = config
-    q, kv = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
-    column_parts = {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [c.intermediate_size] * 2}
+    column_parts = fused_parts(config)
 
     def select(name: str, shape: tuple) -> tuple[int, list[tuple[int, int]]] | None:
         module = ".".join(name.split(".")[2:4])

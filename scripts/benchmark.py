@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import generate as gen
+from checkpoint import fused_parts, hf_names
 from model import ModelArgs, Transformer
 
 
@@ -86,18 +87,10 @@ def hf_model_from(model: Transformer):
     weight = model.output.weight
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(hf_config)
-    state = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-             "lm_head.weight": model.output.weight}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.attention.wqkv.weight.split([c.n_head * c.head_dim] + [c.n_local_heads * c.head_dim] * 2)
-        gate, up = layer.feed_forward.w13.weight.chunk(2)
-        state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                      p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
-                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                      p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
-                      p + "input_layernorm.weight": layer.attention_norm.weight,
-                      p + "post_attention_layernorm.weight": layer.ffn_norm.weight})
+    # the inverse of our conversion: each of our tensors split into the HF tensors it was made of
+    state, ours, sizes = {"lm_head.weight": model.output.weight}, model.state_dict(), fused_parts(c)
+    for name, parts in hf_names(c).items():
+        state.update(zip(parts, ours[name].split(sizes.get(".".join(name.split(".")[2:4]), [len(ours[name])]))))
     hf.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
     with torch.device(weight.device):  # its buffers were made on meta
         hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
