@@ -131,15 +131,23 @@ def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, *
 
 # On CPU, compiled decoding computes its one-row products as plain multiply-and-sum expressions, which
 # inductor fuses into single vectorized loops: a bf16 weight is read about 1.4x faster than by the BLAS
-# call aten.mm makes at M=1, and attention over the cache about 3x faster than SDPA's CPU kernel
+# call aten.mm makes at M=1, an int8 one is converted in registers (faster than _weight_int8pack_mm at
+# one row), and attention over the cache runs about 3x faster than SDPA's CPU kernel
 # (scripts/benchmark.py measures the matmul side). Eager and many-row calls keep the library kernels.
 
 
 class CPUDecodeLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1 and self.bias is None:
-            return one_row_linear(x, self.weight)
+            return one_row_product(x, self.weight).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+class CPUDecodeInt8Linear(quantize.Int8Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
+            return (one_row_product(x, self.weight) * self.scales).to(x.dtype)
+        return super().forward(x)
 
 
 class CPUDecodeAttention(Attention):
@@ -149,9 +157,13 @@ class CPUDecodeAttention(Attention):
         return super().attend(q, k, v, mask)
 
 
-def one_row_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear for x of one row, accumulated in fp32."""
-    return (x.unsqueeze(-2).float() * weight.float()).sum(-1).to(x.dtype)
+def one_row_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., k) of one row times weight (n, k) transposed, accumulated in fp32."""
+    # as_strided (a no-op) makes inductor compute x into a buffer first. Otherwise it inlines x's
+    # producer (a norm, an activation) into the loop over the weight's rows and recomputes it for
+    # every one of the n outputs: that made compiled decoding 1.4x slower.
+    x = x.as_strided(x.shape, x.stride())
+    return (x.unsqueeze(-2).float() * weight.float()).sum(-1)
 
 
 def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -164,13 +176,11 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor
 
 
 def use_cpu_decode_modules(model: Transformer):
-    """On CPU, give linears and attention the forwards above (same parameters, another forward)."""
+    """On CPU, give linears and attention the forwards above (same weights, another forward)."""
     if next(model.parameters()).device.type == "cpu":
+        swaps = {nn.Linear: CPUDecodeLinear, quantize.Int8Linear: CPUDecodeInt8Linear, Attention: CPUDecodeAttention}
         for module in model.modules():
-            if type(module) is nn.Linear:
-                module.__class__ = CPUDecodeLinear
-            elif type(module) is Attention:
-                module.__class__ = CPUDecodeAttention
+            module.__class__ = swaps.get(type(module), type(module))
 
 
 def compile_functions(dynamic_prefill: bool = False):
@@ -273,9 +283,10 @@ def padded_length(n: int) -> int:
 
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights read to decode one token: the state dict (caches are not in it), tied tensors
-    once, and no untied embedding table, of which a step reads only one row."""
+    once, and no embedding table that is not also the head (untied, or a quantized head kept apart):
+    a step reads only one row of it."""
     tensors = {t.data_ptr(): t for t in model.state_dict().values()}
-    if not model.config.tie_embeddings:
+    if model.tok_embeddings.weight is not model.output.weight:
         tensors.pop(model.tok_embeddings.weight.data_ptr())
     return sum(t.nbytes for t in tensors.values())
 

@@ -90,11 +90,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu":
-            if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
-                # inductor fuses this into one loop that reads int8 and dequantizes in registers: at one
-                # row it beats _weight_int8pack_mm on large weights (see generate.CPUDecodeLinear)
-                return ((x.unsqueeze(-2).float() * self.weight.float()).sum(-1) * self.scales).to(x.dtype)
+        if x.device.type == "cpu":  # (compiled decoding on CPU: generate.CPUDecodeInt8Linear)
             rows = x.reshape(-1, self.in_features)
             if rows.shape[0] > 16:  # prefill: the kernel's many-row path is slower than bf16 GEMM after dequantizing
                 return (F.linear(x, self.weight.to(x.dtype)) * self.scales).to(x.dtype)

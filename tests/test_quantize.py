@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import quantize
 from checkpoint import CONFIG_NAME, load_config
-from generate import get_tokenizer, load_model
+from generate import CPUDecodeInt8Linear, get_tokenizer, load_model, weight_bytes_per_token
 from model import UserError
 from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
                       unpack_int4)
@@ -68,10 +68,12 @@ def test_int8_linear_matches_dequantized_matmul(n, k, M):
 
 @pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (200, 128, (1,))])
 def test_int8_linear_compiled_one_row(n, k, shape):
-    """Compiled at one row, Int8Linear is a multiply-and-sum that inductor fuses, not the aten kernel."""
+    """Compiled at one row for CPU decoding, Int8Linear is a multiply-and-sum that inductor fuses, not
+    the aten kernel."""
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
     m, w_ref = int8_module(n, k)
+    m.__class__ = CPUDecodeInt8Linear  # what generate.use_cpu_decode_modules does
     graphs = []
 
     def inductor(gm, example_inputs):
@@ -379,3 +381,12 @@ def test_quantized_load_peak_memory(which, request):
     print(f"{which}: peak RSS delta {delta / 2**20:.1f} MiB, file {size / 2**20:.1f} MiB "
           f"({delta / size:.2f}x), KV cache {kv_bytes / 2**20:.1f} MiB")
     assert delta <= 1.15 * size + kv_bytes, (delta, size, kv_bytes)
+
+
+def test_weight_bytes_per_token(bundled_checkpoint, int8_file):
+    """What a decode step reads: the tied table once as the bf16 head; once the head is quantized
+    apart, the int8 head and not the bf16 table, of which a step reads one row."""
+    bf16, int8 = load_model(bundled_checkpoint, "cpu", "bf16"), load_model(int8_file, "cpu", "bf16")
+    assert weight_bytes_per_token(bf16) == sum(p.nbytes for p in bf16.parameters())
+    table = int8.tok_embeddings.weight.nbytes
+    assert weight_bytes_per_token(int8) == sum(t.nbytes for t in int8.state_dict().values()) - table
