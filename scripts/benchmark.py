@@ -1,31 +1,43 @@
-"""Decode speed, side by side in one run: our eager and compiled decoding, HF transformers' `generate`
-on the same weights, and the model's matmul floor.
+"""The speed ladder, side by side in one run and printed as one table: the model's matmul floor,
+HF transformers' `generate` on the same weights (eager, and with its static cache + torch.compile),
+our eager and compiled decoding, quantized (int8, int4, GPTQ), speculative, and tensor parallel;
+tok/s, GB/s of weights read, MBU against the device's measured copy bandwidth, time to first token,
+compile time and peak memory.
 
-    python scripts/benchmark.py                                  # the bundled SmolLM2-135M-Instruct, bf16
-    python scripts/benchmark.py --quantized checkpoints/X/model_int8.safetensors checkpoints/X/model_int4.g32.safetensors
-    python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --json out.json
-    python scripts/benchmark.py --speculative [--draft_checkpoint_path DRAFT]   # drafters on real prompts
+    python scripts/benchmark.py --hf-compile --quantized checkpoints/X/model_int8.safetensors checkpoints/X/model_int4.g32.safetensors
+    python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --hf-compile --quantized int8 int4 --json out.json
+    python scripts/benchmark.py --llama-bench PATH/llama-bench    # llama.cpp on the bundled GGUF, in the same table
+    python scripts/benchmark.py --speculative [--draft_checkpoint_path DRAFT]   # instead: drafters on three prompts
+    python scripts/plot_ladder.py out.json ladder.png
 
+Random weights (--model NAME --random-weights) are built on the device and quantized in memory:
+decode time does not depend on the values. Speculative rungs need real weights (acceptance does).
 The floor is the summed time of the model's weight matmuls at one row (F.linear on each weight shape,
-with enough copies of each weight that none stays in cache) plus the output head: what a decode step
-would cost if nothing but reading the weights took time.
+with enough copies of each weight that none stays in cache): what a decode step would cost if
+nothing but reading the weights took time.
 """
 
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import generate as gen
-from checkpoint import fused_parts, hf_names
+import quantize
+import tp
+from checkpoint import bundled_gguf, fused_parts, hf_names
 from model import ModelArgs, Transformer
 
 
@@ -37,15 +49,16 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def decode_ms_per_token(run, n_new: int, runs: int, device: str) -> tuple[float, float, float]:
-    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count; tok/s of
-    the whole run(n_new) as a user sees it; and ms to the first token (run(1): prefill and sampling).
-    The first calls (warm-up, compilation) are not counted."""
-    run(n_new), run(1)
-    full = [timed(lambda: run(n_new), device) for _ in range(runs)]
-    first = [timed(lambda: run(1), device) for _ in range(runs)]
-    per_token = (statistics.median(full) - statistics.median(first)) / (n_new - 1)
-    return per_token * 1e3, n_new / statistics.median(full), statistics.median(first) * 1e3
+def decode_speed(run, n_new: int, runs: int, device: str) -> dict:
+    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count; tok/s of the
+    whole run(n_new) as a user sees it; ms to the first token (run(1): prefill and sampling); and the
+    seconds of the first run(n_new), compilation included, which the medians leave out."""
+    first_run_s = timed(lambda: run(n_new), device)
+    run(1)
+    full = statistics.median(timed(lambda: run(n_new), device) for _ in range(runs))
+    first = statistics.median(timed(lambda: run(1), device) for _ in range(runs))
+    return dict(ms_per_token=(full - first) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full, ttft_ms=first * 1e3,
+                first_run_s=first_run_s)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
@@ -97,74 +110,213 @@ def hf_model_from(model: Transformer):
     return hf.to(weight.dtype).eval()
 
 
-def load(args) -> Transformer:
+def load(args, rank: int = 0, world: int = 1) -> Transformer:
+    if not args.model:
+        return gen.load_model(args.checkpoint_path, args.device, args.precision, rank, world)
+    config = ModelArgs.from_name(args.model)
+    if world > 1:
+        tp.check_divisible(config, world)
+        config = tp.local_config(config, world)
+    with torch.device(args.device):  # random weights built where they run: no host copy of a 70B
+        model = Transformer(config)
+    if world > 1:
+        tp.add_all_reduces(model)
+    return model.to(gen.PRECISIONS[args.precision]).eval()
+
+
+def resident_bytes(model: Transformer) -> int:
+    """What the model holds: weights, KV cache and RoPE tables, each tensor once (not activations)."""
+    return sum({t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def quantized_copy(model: Transformer, mode: str, groupsize: int) -> Transformer:
+    """The model with its linears quantized in memory, as quantize.py writes them (round to nearest):
+    random weights have no checkpoint to quantize. Embeddings and norms are shared, not copied."""
+    scheme = {"mode": mode, "groupsize": groupsize}
+    linears = {f"{name}.weight" for name in quantize.linear_names(model)}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in linears:
+            specs, make = quantize.quantized_group(name, lambda t=tensor: t, tuple(tensor.shape), scheme)
+            state.update(zip([spec[0] for spec in specs], make()))
+        else:
+            state[name] = tensor
+    with torch.device("meta"):
+        quantized = Transformer(model.config)
+    quantize.swap_linears(quantized, scheme)
+    quantized.load_state_dict(state, assign=True)
+    quantize.pack_for_device(quantized)
+    return quantized.eval()
+
+
+def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1):
+    """(name, model) for each of --quantized: a checkpoint, or int8 / int4 quantized in memory."""
+    for q in args.quantized:
+        if q in ("int8", "int4"):
+            yield f"{q}{f' g{args.groupsize}' if q == 'int4' else ''} (in memory)", quantized_copy(model, q, args.groupsize)
+        else:
+            yield Path(q).stem.removeprefix("model_"), gen.load_model(q, args.device, args.precision, rank, world)
+
+
+def ladder_prompt(args) -> tuple[Tensor, str]:
+    """Random tokens for random weights; for real weights the extraction prompt below, where
+    speculative decoding is meant to pay, so that every rung decodes the same text."""
     if args.model:
-        with torch.device(args.device):  # random weights built where they run: no host copy of a 70B
-            model = Transformer(ModelArgs.from_name(args.model))
-        return model.to(gen.PRECISIONS[args.precision]).eval()
-    return gen.load_model(args.checkpoint_path, args.device, args.precision)
+        vocab = ModelArgs.from_name(args.model).vocab_size
+        return torch.randint(0, vocab, (args.prompt_length,), device=args.device), "random tokens"
+    tokenizer = gen.get_tokenizer(args.checkpoint_path)
+    text = SPECULATIVE_PROMPTS["extract"].format(**prompt_texts())
+    return torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device), "extract"
+
+
+class Ladder:
+    """The table: name -> decode_speed()'s figures, weight bytes read a step, the model's memory, a note."""
+
+    def __init__(self, args, prompt: Tensor):
+        self.args, self.prompt, self.rows = args, prompt, {}
+
+    def add(self, name: str, run, weight_bytes: int | None, note: str = ""):
+        speed = decode_speed(run, self.args.max_new_tokens, self.args.runs, self.args.device)
+        self.rows[name] = dict(speed, weight_bytes=weight_bytes, note=note)
+
+    def ours(self, name: str, model: Transformer, note: str = "", **kw):
+        """generate() greedy on the ladder's prompt; kw: speculative arguments."""
+        run = lambda n: gen.generate(model, self.prompt, n, temperature=0, **kw)  # noqa: E731
+        # a speculative step reads the weights for several tokens: bytes per token are not the model's
+        self.add(name, run, None if kw else gen.weight_bytes_per_token(model), note)
+        self.rows[name]["memory_gb"] = resident_bytes(model) / 1e9
+
+    def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1):
+        """Our compiled rungs: the model, then each quantized one."""
+        args = self.args
+        gen.compile_functions()
+        gen.use_cpu_decode_modules(model)
+        self.ours(f"ours {args.precision} compiled{suffix}", model)
+        for name, quantized in quantized_models(args, model, rank, world):
+            gen.use_cpu_decode_modules(quantized)
+            self.ours(f"ours {name} compiled{suffix}", quantized)
+            del quantized
 
 
 @torch.no_grad()
 def main(args):
-    torch.manual_seed(0)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return tp_worker(args)
+    torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
+    prompt, prompt_name = ladder_prompt(args)
     model = load(args)
-    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_length,), device=args.device)
-    n_new = args.max_new_tokens
-    rows = {}  # name -> (ms per token, tok/s, weight bytes per token)
-
-    def measure(name: str, m: Transformer):
-        run = lambda n: gen.generate(m, prompt, n, temperature=0)  # noqa: E731
-        ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
-        rows[name] = (ms, tok_s, gen.weight_bytes_per_token(m), ttft)
-
+    ladder = Ladder(args, prompt)
+    rows = ladder.rows
     bandwidth = copy_bandwidth_gbs(args.device)
+    weight_bytes = gen.weight_bytes_per_token(model)
     floor = matmul_floor_ms(model, args.device)
-    rows["matmul floor (F.linear)"] = (floor, 1e3 / floor, gen.weight_bytes_per_token(model), None)
+    rows["matmul floor (F.linear)"] = dict(ms_per_token=floor, weight_bytes=weight_bytes)
     if args.device == "cpu":  # what compiled decoding uses on CPU instead (generate.CPUDecodeLinear)
-        ms = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_linear))
-        rows["floor (compiled mul-sum)"] = (ms, 1e3 / ms, gen.weight_bytes_per_token(model), None)
-    measure(f"ours {args.precision} eager", model)
+        ms = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_product))
+        rows["floor (compiled mul-sum)"] = dict(ms_per_token=ms, weight_bytes=weight_bytes)
     if not args.no_hf:
-        hf = hf_model_from(model)
-        run = lambda n: hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
-                                    pad_token_id=0)
-        ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
-        rows[f"HF {args.precision} eager"] = (ms, tok_s, gen.weight_bytes_per_token(model), ttft)
-        if args.hf_compile:  # HF's own fast path: a static cache and a compiled forward
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            run = lambda n: hf.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
-                                        pad_token_id=0, cache_implementation="static")
-            ms, tok_s, ttft = decode_ms_per_token(run, n_new, args.runs, args.device)
-            rows[f"HF {args.precision} static cache + compile"] = (ms, tok_s, gen.weight_bytes_per_token(model), ttft)
-        del hf
-    gen.compile_functions()
-    gen.use_cpu_decode_modules(model)
-    compile_s = timed(lambda: gen.generate(model, prompt, n_new, temperature=0), args.device)
-    measure(f"ours {args.precision} compiled", model)
-    for path in args.quantized:
-        quantized = gen.load_model(path, args.device, args.precision)
-        gen.use_cpu_decode_modules(quantized)
-        measure(f"ours {Path(path).stem} compiled", quantized)
-        del quantized
+        hf_rows(ladder, model)
+    if args.llama_bench:
+        rows["llama.cpp (llama-bench) on the GGUF"] = llama_bench(args, len(prompt))
+    ladder.ours(f"ours {args.precision} eager", model)
+    ladder.compiled(model)
+    if not args.model and not args.no_speculative:  # acceptance needs real weights
+        speculative_rows(ladder, model)
+    for world in args.tp:
+        rows.update(tp_rows(args, world))
 
+    peak = gen.peak_memory_gb(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
-          f"{args.device}, prompt {args.prompt_length} tokens, {n_new} new, median of {args.runs}; "
-          f"first compiled run {compile_s:.1f} s")
-    hf_ms = rows.get(f"HF {args.precision} eager", (None,))[0]
-    print(f"measured copy bandwidth {bandwidth:.1f} GB/s; MBU = weight GB/s / that; "
-          f"peak memory {gen.peak_memory_gb(args.device):.2f} GB")
-    print(f"{'':32} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'MBU':>5} {'TTFT ms':>8} {'x floor':>8} {'vs HF':>6}")
-    for name, (ms, tok_s, nbytes, ttft) in rows.items():
-        vs_hf = f"{hf_ms / ms:6.2f}" if hf_ms else ""
-        gbs = nbytes / ms / 1e6
-        ttft = f"{ttft:8.1f}" if ttft else " " * 8
-        print(f"{name:32} {ms:9.2f} {tok_s:7.1f} {gbs:6.1f} {gbs / bandwidth:5.0%} {ttft} {ms / floor:8.2f} {vs_hf}")
+          f"{args.device}, prompt: {prompt_name} ({len(prompt)} tokens), {args.max_new_tokens} new, greedy, "
+          f"median of {args.runs}; measured copy bandwidth {bandwidth:.1f} GB/s (MBU = weight GB/s / that); "
+          f"peak memory {peak:.2f} GB")
+    print_table(rows, bandwidth, floor)
     if args.json:
-        write_json(args, compile_s=compile_s, copy_bandwidth_gbs=bandwidth,
-                   peak_memory_gb=gen.peak_memory_gb(args.device),
-                   rows={name: dict(ms_per_token=ms, tok_s=tok_s, weight_bytes=nbytes, ttft_ms=ttft)
-                         for name, (ms, tok_s, nbytes, ttft) in rows.items()})
+        write_json(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
+                   peak_memory_gb=peak, rows=rows)
+
+
+def hf_rows(ladder: Ladder, model: Transformer):
+    """HF transformers' generate on the same weights: eager, and with its static cache + compile."""
+    args, prompt = ladder.args, ladder.prompt[None]
+    hf = hf_model_from(model)
+    kw = dict(do_sample=False, pad_token_id=0)
+    ladder.add(f"HF {args.precision} eager", lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
+               gen.weight_bytes_per_token(model))
+    if args.hf_compile:  # HF's own fast path
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        kw.update(cache_implementation="static")
+        ladder.add(f"HF {args.precision} static cache + compile",
+                   lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
+                   gen.weight_bytes_per_token(model))
+
+
+def speculative_rows(ladder: Ladder, model: Transformer):
+    """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
+    import speculative
+
+    args = ladder.args
+    drafters = {"prompt lookup": dict(draft="prompt-lookup")}
+    if args.draft_checkpoint_path:
+        draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
+        gen.use_cpu_decode_modules(draft_model)
+        drafters[f"draft {Path(args.draft_checkpoint_path).stem.removeprefix('model_')}"] = dict(draft_model=draft_model)
+    speculative.compile_functions()
+    for name, kw in drafters.items():
+        stats = {}
+        gen.generate(model, ladder.prompt, args.max_new_tokens, speculate_k=args.speculate_k, stats=stats, **kw)
+        accepted = sum(i * c for i, c in enumerate(stats["accepted_counts"]))
+        rounds = sum(stats["accepted_counts"])
+        ladder.ours(f"ours {args.precision} compiled + {name}", model, speculate_k=args.speculate_k,
+                    note=f"k={args.speculate_k}, {accepted / max(1, rounds * args.speculate_k):.0%} of drafts kept", **kw)
+
+
+def llama_bench(args, depth: int) -> dict:
+    """llama.cpp's llama-bench on the GGUF: its decode test (tg) after `depth` tokens of context, as
+    ours decodes after the prompt, on as many threads as we use."""
+    gguf = args.gguf or bundled_gguf()
+    cmd = [args.llama_bench, "-m", str(gguf), "-p", "0", "-n", str(args.max_new_tokens), "-d", str(depth),
+           "-r", str(args.runs), "-t", str(torch.get_num_threads()), "-o", "json"]
+    result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[0]
+    return dict(ms_per_token=1e3 / result["avg_ts"], weight_bytes=result["model_size"],
+                note=f"{result['model_type']}, build {result['build_commit']}")
+
+
+def tp_rows(args, world: int) -> dict:
+    """Our compiled rungs again with the model sharded `world` ways: torchrun runs this script, whose
+    ranks run tp_worker, and rank 0 hands back its rows in a JSON file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                        __file__, *sys.argv[1:], "--json", str(out)], check=True)
+        return json.loads(out.read_text())["rows"]
+
+
+@torch.no_grad()
+def tp_worker(args):
+    rank, world = tp.maybe_init_distributed()
+    torch.manual_seed(0)  # the same random weights and prompt on every rank
+    ladder = Ladder(args, ladder_prompt(args)[0])
+    ladder.compiled(load(args, rank, world), f", TP {world}", rank, world)
+    if rank == 0:
+        write_json(args, rows=ladder.rows)
+    torch.distributed.destroy_process_group()
+
+
+def print_table(rows: dict, bandwidth: float, floor: float):
+    """tok/s is decode only (1000 / ms per token); end to end counts prefill too, as a user waits.
+    Memory: the model's weights, KV cache and RoPE tables. 1st run: compilation included."""
+    hf_ms = next((row["ms_per_token"] for name, row in rows.items() if name.startswith("HF")), None)
+    print(f"{'':44} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} {'MBU':>5} {'TTFT ms':>8} {'end to end':>10} "
+          f"{'x floor':>8} {'vs HF':>6} {'mem GB':>6} {'1st run s':>9}")
+    for name, row in rows.items():
+        ms, nbytes = row["ms_per_token"], row.get("weight_bytes")
+        gbs = f"{nbytes / ms / 1e6:6.1f} {nbytes / ms / 1e6 / bandwidth:5.0%}" if nbytes else " " * 12
+        ttft, e2e, mem, first = (f"{row[k]:{w}.{d}f}" if row.get(k) else " " * w for k, w, d in (
+            ("ttft_ms", 8, 1), ("e2e_tok_s", 10, 1), ("memory_gb", 6, 2), ("first_run_s", 9, 1)))
+        vs_hf = f"{hf_ms / ms:6.2f}" if hf_ms else " " * 6
+        print(f"{name:44} {ms:9.2f} {1e3 / ms:7.1f} {gbs} {ttft} {e2e} {ms / floor:8.2f} {vs_hf} {mem} {first}  "
+              f"{row.get('note', '')}")
 
 
 # Prompts for speculative decoding: prompt lookup pays where the answer copies from the input
@@ -173,6 +325,12 @@ SPECULATIVE_PROMPTS = {
     "extract": "List every number that appears in this text, in order:\n\n{readme}",
     "code-edit": "Rename the variable `config` to `cfg` in this code and print the whole code:\n```python\n{code}\n```",
 }
+
+
+def prompt_texts() -> dict:
+    """What the prompts above quote: a part of this README and of model.py."""
+    here = Path(__file__).parent.parent
+    return dict(readme=(here / "README.md").read_text()[3000:4500], code=(here / "model.py").read_text()[2000:3500])
 
 
 @torch.no_grad()
@@ -190,8 +348,7 @@ def speculative_main(args):
         gen.use_cpu_decode_modules(m)
     gen.compile_functions()
     speculative.compile_functions()
-    here = Path(__file__).parent.parent
-    fill = dict(readme=(here / "README.md").read_text()[3000:4500], code=(here / "model.py").read_text()[2000:3500])
+    fill = prompt_texts()
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, greedy, k={args.speculate_k}, median of {args.runs}")
     print(f"{'prompt':12} {'drafter':14} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
@@ -244,11 +401,20 @@ if __name__ == "__main__":
     p.add_argument("--prompt_length", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--quantized", nargs="*", default=[], metavar="PATH",
-                   help="quantized checkpoints (quantize.py) to measure in the same run")
+    p.add_argument("--quantized", nargs="*", default=[], metavar="PATH|int8|int4",
+                   help="quantized checkpoints (quantize.py) to measure in the same run, or int8 / int4 to "
+                        "quantize the weights in memory (round to nearest; the way with --random-weights)")
+    p.add_argument("--groupsize", type=int, default=32, help="of --quantized int4")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--hf-compile", action="store_true",
                    help="also HF with its static cache and a compiled forward (compiling takes minutes on CPU)")
+    p.add_argument("--no-speculative", action="store_true", help="skip the speculative rungs")
+    p.add_argument("--tp", nargs="*", type=int, default=None, metavar="N",
+                   help="also run the compiled rungs sharded N ways under torchrun (default: every GPU, when "
+                        "there are several; on CPU, gloo: for correctness, not speed)")
+    p.add_argument("--llama-bench", default=None, metavar="BIN",
+                   help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
+    p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for --speculative")
@@ -257,4 +423,7 @@ if __name__ == "__main__":
     args = p.parse_args()
     if bool(args.model) != args.random_weights:
         p.error("--model and --random-weights go together")
+    if args.tp is None:
+        gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+        args.tp = [gpus] if gpus > 1 else []
     gen.run_cli(speculative_main if args.speculative else main, args)

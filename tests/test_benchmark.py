@@ -1,0 +1,70 @@
+"""scripts/benchmark.py: the HF model it compares against holds our weights, in-memory quantization
+is what quantize.py writes, and the whole ladder runs end to end (compiled functions run eagerly:
+the plumbing is under test here, not the speed) and writes the JSON the plot reads."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantize
+from generate import load_model
+
+REPO = Path(__file__).parent.parent
+spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
+
+
+def test_hf_model_holds_our_weights(model_fp32):
+    ids = torch.tensor([[1, 504, 3345, 314, 2451, 28, 253, 1345]])
+    hf = benchmark.hf_model_from(model_fp32)
+    with torch.no_grad():
+        model_fp32.setup_caches(1, 64)
+        ours = model_fp32(ids, torch.arange(ids.shape[1]))
+        theirs = hf(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_copy_equals_the_quantized_checkpoint(bundled_checkpoint, int4_checkpoint):
+    model = load_model(bundled_checkpoint, "cpu", "fp32")  # the precision the bundled checkpoint is stored in
+    in_memory = benchmark.quantized_copy(model, "int4", 32)
+    from_file = load_model(int4_checkpoint, "cpu", "fp32")
+    linears = set(quantize.linear_names(model))  # quantize.py stores the rest in bf16; here it stays fp32
+    quantized = {n: t for n, t in from_file.state_dict().items() if n.rpartition(".")[0] in linears}
+    assert len(quantized) == 2 * len(linears)  # int4: packed weight and scales_and_zeros; int8 head: weight, scales
+    for name, tensor in quantized.items():
+        assert torch.equal(in_memory.state_dict()[name], tensor), name
+
+
+def test_ladder_runs_end_to_end(tmp_path):
+    # every process, torchrun's workers too, runs the compiled functions eagerly: minutes of
+    # compilation would test nothing more here
+    (tmp_path / "sitecustomize.py").write_text('import torch\ntorch.compiler.set_stance("force_eager")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "ladder.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+         "--prompt_length", "8", "--max_new_tokens", "3", "--runs", "1", "--no-hf", "--quantized", "int8", "int4",
+         "--tp", "3", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert list(record["rows"]) == [
+        "matmul floor (F.linear)", "floor (compiled mul-sum)", "ours bf16 eager", "ours bf16 compiled",
+        "ours int8 (in memory) compiled", "ours int4 g32 (in memory) compiled",
+        "ours bf16 compiled, TP 3", "ours int8 (in memory) compiled, TP 3", "ours int4 g32 (in memory) compiled, TP 3"]
+    assert all(row["ms_per_token"] > 0 for row in record["rows"].values())
+    assert record["args"]["model"] == "SmolLM2-135M" and record["copy_bandwidth_gbs"] > 0
+    for name in record["rows"]:
+        assert name in run.stdout  # the printed table
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ladder.png"
+    subprocess.run([sys.executable, "scripts/plot_ladder.py", str(out), str(png)], cwd=REPO, check=True, timeout=120)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
