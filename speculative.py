@@ -206,11 +206,17 @@ def compile_functions():
     target_step = torch.compile(target_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
+def acceptance_rate(stats: dict, k: int) -> float:
+    """The share of drafted tokens kept, over all verify steps."""
+    counts = stats["accepted_counts"]
+    return sum(i * c for i, c in enumerate(counts)) / max(1, sum(counts) * k)
+
+
 def format_stats(stats: dict, k: int) -> str:
     counts = stats["accepted_counts"]
     rounds = sum(counts)
     accepted = sum(i * c for i, c in enumerate(counts))
     histogram = " ".join(f"{i}:{c}" for i, c in enumerate(counts))
-    return (f"acceptance rate {accepted / max(1, rounds * k):.1%}, mean tokens per verify step "
+    return (f"acceptance rate {acceptance_rate(stats, k):.1%}, mean tokens per verify step "
             f"{(accepted + rounds) / max(1, rounds):.2f}, accepted drafts per verify step [{histogram}], "
             f"{stats['plain_steps']} plain steps")

@@ -165,7 +165,7 @@ def ladder_prompt(args) -> tuple[Tensor, str]:
         vocab = ModelArgs.from_name(args.model).vocab_size
         return torch.randint(0, vocab, (args.prompt_length,), device=args.device), "random tokens"
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    text = SPECULATIVE_PROMPTS["extract"].format(**prompt_texts())
+    text = SPECULATIVE_PROMPTS["extract"]
     return torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device), "extract"
 
 
@@ -256,19 +256,26 @@ def speculative_rows(ladder: Ladder, model: Transformer):
     import speculative
 
     args = ladder.args
-    drafters = {"prompt lookup": dict(draft="prompt-lookup")}
+    for name, kw in drafters(args).items():
+        stats = {}
+        gen.generate(model, ladder.prompt, args.max_new_tokens, speculate_k=args.speculate_k, stats=stats, **kw)
+        ladder.ours(f"ours {args.precision} compiled + {name}", model, speculate_k=args.speculate_k,
+                    note=f"k={args.speculate_k}, {speculative.acceptance_rate(stats, args.speculate_k):.0%} of "
+                         f"drafts kept", **kw)
+
+
+def drafters(args) -> dict:
+    """generate()'s speculative arguments for each drafter: prompt lookup, and --draft_checkpoint_path's
+    model, compiled."""
+    import speculative
+
+    found = {"prompt lookup": dict(draft="prompt-lookup")}
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
         gen.use_cpu_decode_modules(draft_model)
-        drafters[f"draft {Path(args.draft_checkpoint_path).stem.removeprefix('model_')}"] = dict(draft_model=draft_model)
+        found[f"draft {Path(args.draft_checkpoint_path).stem.removeprefix('model_')}"] = dict(draft_model=draft_model)
     speculative.compile_functions()
-    for name, kw in drafters.items():
-        stats = {}
-        gen.generate(model, ladder.prompt, args.max_new_tokens, speculate_k=args.speculate_k, stats=stats, **kw)
-        accepted = sum(i * c for i, c in enumerate(stats["accepted_counts"]))
-        rounds = sum(stats["accepted_counts"])
-        ladder.ours(f"ours {args.precision} compiled + {name}", model, speculate_k=args.speculate_k,
-                    note=f"k={args.speculate_k}, {accepted / max(1, rounds * args.speculate_k):.0%} of drafts kept", **kw)
+    return found
 
 
 def llama_bench(args, depth: int) -> dict:
@@ -319,18 +326,36 @@ def print_table(rows: dict, bandwidth: float, floor: float):
               f"{row.get('note', '')}")
 
 
-# Prompts for speculative decoding: prompt lookup pays where the answer copies from the input
+# Prompts for speculative decoding: prompt lookup pays where the answer copies from the input. Fixed
+# texts, so that results do not move when the repository's files do.
+REPORT = """The harbour of Velmora handled 4,812 ships in 2023, up from 4,377 in 2022. Its three container
+terminals moved 1.26 million containers; the north terminal alone moved 540,000. Average waiting time
+at anchor fell from 31 hours to 19 hours after the second dredging campaign, which cost 86 million euros
+and deepened the channel to 14.5 metres. The port employs 2,940 people directly and about 11,000
+indirectly. Passenger traffic reached 730,000 travellers on 6 ferry lines, and the cruise season ran
+from 12 April to 28 October with 64 calls. The authority plans 2 new berths of 380 metres each by 2027."""
+
+CODE = """def train(config, dataset):
+    model = build_model(config.model_name, config.hidden_size)
+    optimizer = make_optimizer(model, lr=config.learning_rate, weight_decay=config.weight_decay)
+    for epoch in range(config.epochs):
+        for batch in dataset.batches(config.batch_size):
+            loss = model.loss(batch)
+            loss.backward()
+            if config.clip_grad:
+                clip_gradients(model, config.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad()
+        print(f"epoch {epoch}: loss {loss.item():.3f}")
+        if epoch % config.save_every == 0:
+            save(model, config.output_dir, epoch)
+    return model"""
+
 SPECULATIVE_PROMPTS = {
     "open-ended": "Write a short story about a dragon who learns to paint.",
-    "extract": "List every number that appears in this text, in order:\n\n{readme}",
-    "code-edit": "Rename the variable `config` to `cfg` in this code and print the whole code:\n```python\n{code}\n```",
+    "extract": f"List every number that appears in this text, in order, one per line:\n\n{REPORT}",
+    "code-edit": f"Rename the variable `config` to `cfg` in this code and print the whole code:\n```python\n{CODE}\n```",
 }
-
-
-def prompt_texts() -> dict:
-    """What the prompts above quote: a part of this README and of model.py."""
-    here = Path(__file__).parent.parent
-    return dict(readme=(here / "README.md").read_text()[3000:4500], code=(here / "model.py").read_text()[2000:3500])
 
 
 @torch.no_grad()
@@ -340,34 +365,28 @@ def speculative_main(args):
 
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    drafters = {"prompt-lookup": dict(draft="prompt-lookup")}
-    if args.draft_checkpoint_path:
-        drafters["draft model"] = dict(draft_model=gen.load_model(args.draft_checkpoint_path, args.device,
-                                                                  args.precision))
-    for m in [model] + [d["draft_model"] for d in drafters.values() if "draft_model" in d]:
-        gen.use_cpu_decode_modules(m)
+    gen.use_cpu_decode_modules(model)
     gen.compile_functions()
-    speculative.compile_functions()
-    fill = prompt_texts()
+    drafts = drafters(args)
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, greedy, k={args.speculate_k}, median of {args.runs}")
-    print(f"{'prompt':12} {'drafter':14} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
+    print(f"{'prompt':12} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
     rows = []
     for name, text in SPECULATIVE_PROMPTS.items():
-        prompt = torch.tensor(tokenizer.encode_prompt(text.format(**fill), chat=True), device=args.device)
+        prompt = torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device)
 
         def run(**kw):
             gen.generate(model, prompt, args.max_new_tokens, temperature=0, speculate_k=args.speculate_k, **kw)
 
         run()
         plain = statistics.median(timed(run, args.device) for _ in range(args.runs))
-        for drafter, kwargs in drafters.items():
+        for drafter, kwargs in drafts.items():
             run(**kwargs)
             spec = statistics.median(timed(lambda: run(**kwargs), args.device) for _ in range(args.runs))
             stats = {}
             run(**kwargs, stats=stats)
             n = args.max_new_tokens
-            print(f"{name:12} {drafter:14} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
+            print(f"{name:12} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
                   f"{speculative.format_stats(stats, args.speculate_k)}")
             rows.append(dict(prompt=name, drafter=drafter, plain_tok_s=n / plain, speculative_tok_s=n / spec,
                              speedup=plain / spec, **stats))
