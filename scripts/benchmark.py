@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import generate as gen
 import quantize
 import tp
 from checkpoint import bundled_gguf, fused_parts, hf_names
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, UserError
 
 
 def timed(fn, device) -> float:
@@ -205,6 +206,8 @@ def main(args):
     torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
     prompt, prompt_name = ladder_prompt(args)
     model = load(args)
+    for world in args.tp:  # before minutes of measuring, not after
+        tp.check_divisible(model.config, world)
     ladder = Ladder(args, prompt)
     rows = ladder.rows
     bandwidth = copy_bandwidth_gbs(args.device)
@@ -284,7 +287,10 @@ def llama_bench(args, depth: int) -> dict:
     gguf = args.gguf or bundled_gguf()
     cmd = [args.llama_bench, "-m", str(gguf), "-p", "0", "-n", str(args.max_new_tokens), "-d", str(depth),
            "-r", str(args.runs), "-t", str(torch.get_num_threads()), "-o", "json"]
-    result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[0]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise UserError(f"llama-bench failed on {gguf}: {(run.stderr.strip().splitlines() or ['no output'])[-1]}")
+    result = json.loads(run.stdout)[0]
     return dict(ms_per_token=1e3 / result["avg_ts"], weight_bytes=result["model_size"],
                 note=f"{result['model_type']}, build {result['build_commit']}")
 
@@ -294,8 +300,10 @@ def tp_rows(args, world: int) -> dict:
     ranks run tp_worker, and rank 0 hands back its rows in a JSON file."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                        __file__, *sys.argv[1:], "--json", str(out)], check=True)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={world}", __file__, *sys.argv[1:], "--json", str(out)])
+        if run.returncode != 0:
+            raise UserError(f"the TP {world} run failed: its error is printed above")
         return json.loads(out.read_text())["rows"]
 
 
@@ -442,6 +450,10 @@ if __name__ == "__main__":
     args = p.parse_args()
     if bool(args.model) != args.random_weights:
         p.error("--model and --random-weights go together")
+    if args.speculative and args.model:
+        p.error("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
+    if args.llama_bench and not shutil.which(args.llama_bench):
+        p.error(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
     if args.tp is None:
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
         args.tp = [gpus] if gpus > 1 else []
