@@ -118,11 +118,18 @@ def load(args, rank: int = 0, world: int = 1) -> Transformer:
     if world > 1:
         tp.check_divisible(config, world)
         config = tp.local_config(config, world)
-    with torch.device(args.device):  # random weights built where they run: no host copy of a 70B
-        model = Transformer(config)
+    # random weights made where they run, in their dtype: no host or fp32 copy of a 70B
+    with torch.device("meta"):
+        model = Transformer(config).to(gen.PRECISIONS[args.precision])
+    model = model.to_empty(device=args.device)
+    if config.tie_embeddings:  # to_empty gave the tied table two tensors
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.normal_(0, 0.02)
     if world > 1:
         tp.add_all_reduces(model)
-    return model.to(gen.PRECISIONS[args.precision]).eval()
+    return model.eval()
 
 
 def resident_bytes(model: Transformer) -> int:
