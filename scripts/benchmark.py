@@ -432,7 +432,8 @@ if __name__ == "__main__":
     p.add_argument("--random-weights", action="store_true", help="random weights of --model's shape")
     p.add_argument("--device", default=gen.default_device())
     p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16")
-    p.add_argument("--prompt_length", type=int, default=16)
+    p.add_argument("--prompt_length", type=int, default=16,
+                   help="random prompt tokens, with --random-weights (real weights decode the extraction prompt)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quantized", nargs="*", default=[], metavar="PATH|int8|int4",
@@ -451,7 +452,7 @@ if __name__ == "__main__":
     p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
-    p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for --speculative")
+    p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")
     p.add_argument("--speculate_k", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
