@@ -24,7 +24,7 @@ from torch import Tensor
 from checkpoint import load_config, read_safetensors, resolve_checkpoint
 import quantize
 import tp
-from model import Attention, Transformer, UserError
+from model import Attention, ModelArgs, Transformer, UserError
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,26 +51,34 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
         select = tp.shard_selector(config, rank, world_size)
         config = tp.local_config(config, world_size)
     state_dict, metadata = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select)
+    try:
+        model = assemble(config, state_dict, quantize.read_scheme(metadata))
+    except RuntimeError as e:
+        raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
+                        f"{str(e).splitlines()[1].strip()}")
+    quantize.pack_for_device(model)
+    if world_size > 1:
+        tp.add_all_reduces(model)
+    return model.eval()
+
+
+def assemble(config: ModelArgs, state_dict: dict[str, Tensor], scheme: dict | None = None) -> Transformer:
+    """A model built on the meta device, its linears swapped for `scheme`'s quantized modules, holding
+    state_dict's tensors themselves (`assign=True`); not yet packed for a device (quantize.pack_for_device).
+    Empties state_dict, so that packing frees each neutral-layout int4 weight as it goes. Raises
+    load_state_dict's RuntimeError when the tensors do not fit `config`."""
     with torch.device("meta"):
         model = Transformer(config)
-    scheme = quantize.read_scheme(metadata)
     if scheme:
         quantize.swap_linears(model, scheme)
     tied = config.tie_embeddings and "output.weight" not in state_dict  # quantized heads are stored apart
     if tied:
         state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
-    try:
-        model.load_state_dict(state_dict, assign=True)
-    except RuntimeError as e:
-        raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
-                        f"{str(e).splitlines()[1].strip()}")
-    del state_dict  # int4 packing below then frees each neutral-layout weight as it goes
+    model.load_state_dict(state_dict, assign=True)
+    state_dict.clear()
     if tied:  # assign=True replaced the tied parameter: tie it again
         model.output.weight = model.tok_embeddings.weight
-    quantize.pack_for_device(model)
-    if world_size > 1:
-        tp.add_all_reduces(model)
-    return model.eval()
+    return model
 
 
 def get_tokenizer(checkpoint_path: Path | str | None = None) -> Tokenizer:

@@ -149,10 +149,7 @@ def quantized_copy(model: Transformer, mode: str, groupsize: int) -> Transformer
             state.update(zip([spec[0] for spec in specs], make()))
         else:
             state[name] = tensor
-    with torch.device("meta"):
-        quantized = Transformer(model.config)
-    quantize.swap_linears(quantized, scheme)
-    quantized.load_state_dict(state, assign=True)
+    quantized = gen.assemble(model.config, state, scheme)
     quantize.pack_for_device(quantized)
     return quantized.eval()
 
