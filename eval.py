@@ -12,14 +12,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from generate import PRECISIONS, get_tokenizer, load_model, run_cli
-from model import Transformer, UserError
+from errors import UserError, run_cli
+from generate import PRECISIONS, get_tokenizer, load_model
+from model import Transformer
 from quantize import python_docs_text
 
 
 @torch.no_grad()
-def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, batch_size: int = 4) -> float:
+def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, batch_size: int = 4,
+               progress: bool = False) -> float:
     """exp(mean next-token loss) over consecutive windows of seq_len tokens."""
     n_windows = len(tokens) // seq_len
     if n_windows == 0:
@@ -28,7 +31,7 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
     device = next(model.parameters()).device
     model.setup_caches(batch_size, seq_len)
     total = 0.0
-    for batch in windows.split(batch_size):
+    for batch in tqdm(windows.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
         batch = batch.to(device)
         logits = model(batch, torch.arange(seq_len, device=device))  # (B, T, V)
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
@@ -39,7 +42,7 @@ def main(args):
     text = Path(args.text_file).read_text(errors="replace") if args.text_file else python_docs_text("held-out")
     tokens = torch.tensor(get_tokenizer(args.checkpoint_path).encode(text)[: args.max_tokens])
     model = load_model(args.checkpoint_path, args.device, args.precision)
-    ppl = perplexity(model, tokens, args.seq_len, args.batch_size)
+    ppl = perplexity(model, tokens, args.seq_len, args.batch_size, progress=True)
     print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {len(tokens)} tokens")
 
 
@@ -47,7 +50,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--text_file", type=Path, default=None, help="default: held-out Python documentation")
-    p.add_argument("--max_tokens", type=int, default=32768)
+    p.add_argument("--max_tokens", type=int, default=16384, help="tokens of the text to score")
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--device", default=None)

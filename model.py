@@ -13,9 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-
-class UserError(Exception):
-    """A problem with what the user asked for or gave us: the CLIs print it as one line."""
+from errors import UserError
 
 
 @dataclass
@@ -43,34 +41,6 @@ class ModelArgs:
             self.intermediate_size = 256 * math.ceil(hidden / 256)
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelArgs":
-        """From a Hugging Face `config.json` of a Llama-architecture model."""
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise UserError("checkpoints with attention or MLP biases are not Llama-architecture; not supported")
-        if config.get("hidden_act", "silu") != "silu":
-            raise UserError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
-        rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta and scaling here
-        rope_scaling = config.get("rope_scaling") or rope
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UserError(f"rope_scaling {rope_scaling} is not supported (only Llama-3.1's 'llama3' type)")
-        n_head = config["num_attention_heads"]
-        return cls(
-            block_size=config["max_position_embeddings"],
-            vocab_size=config["vocab_size"],
-            n_layer=config["num_hidden_layers"],
-            n_head=n_head,
-            dim=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            n_local_heads=config.get("num_key_value_heads") or n_head,
-            head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
-            rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            norm_eps=config["rms_norm_eps"],
-            rope_scaling=rope_scaling if rope_type == "llama3" else None,
-            tie_embeddings=config.get("tie_word_embeddings", False),
-        )
-
-    @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
         """From our own `model_config.json` (which may hold other keys, e.g. the source)."""
         names = {f.name for f in fields(cls)}
@@ -82,42 +52,6 @@ class ModelArgs:
         if name not in transformer_configs:
             raise UserError(f"unknown model name {name!r}; known: {', '.join(transformer_configs)}")
         return cls(**transformer_configs[name])
-
-
-_llama31_rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                     original_max_position_embeddings=8192, rope_type="llama3")
-_llama32_rope = dict(_llama31_rope, factor=32.0)
-transformer_configs = {
-    "Llama-2-7B": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
-    "Llama-2-13B": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
-    "Llama-2-70B": dict(block_size=4096, n_layer=80, n_head=64, dim=8192, n_local_heads=8, intermediate_size=28672),
-    "CodeLlama-7B": dict(block_size=16384, vocab_size=32016, n_layer=32, n_head=32, dim=4096, rope_base=1e6),
-    "CodeLlama-34B": dict(block_size=16384, n_layer=48, n_head=64, dim=8192, n_local_heads=8,
-                          intermediate_size=22016, rope_base=1e6),
-    "Mistral-7B": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                       intermediate_size=14336, rope_base=1e6),
-    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, dim=2048, n_local_heads=4, intermediate_size=5632),
-    "Llama-3-8B": dict(block_size=8192, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                       intermediate_size=14336, rope_base=500000.0),
-    "Llama-3-70B": dict(block_size=8192, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
-                        intermediate_size=28672, rope_base=500000.0),
-    "Llama-3.1-8B": dict(block_size=131072, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                         intermediate_size=14336, rope_base=500000.0, rope_scaling=_llama31_rope),
-    "Llama-3.1-70B": dict(block_size=131072, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
-                          intermediate_size=28672, rope_base=500000.0, rope_scaling=_llama31_rope),
-    "Llama-3.2-1B": dict(block_size=131072, vocab_size=128256, n_layer=16, n_head=32, dim=2048, n_local_heads=8,
-                         intermediate_size=8192, head_dim=64, rope_base=500000.0, rope_scaling=_llama32_rope,
-                         tie_embeddings=True),
-    "Llama-3.2-3B": dict(block_size=131072, vocab_size=128256, n_layer=28, n_head=24, dim=3072, n_local_heads=8,
-                         intermediate_size=8192, head_dim=128, rope_base=500000.0, rope_scaling=_llama32_rope,
-                         tie_embeddings=True),
-    "SmolLM2-135M": dict(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, dim=576, n_local_heads=3,
-                         intermediate_size=1536, rope_base=100000.0, tie_embeddings=True),
-    "SmolLM2-360M": dict(block_size=8192, vocab_size=49152, n_layer=32, n_head=15, dim=960, n_local_heads=5,
-                         intermediate_size=2560, rope_base=100000.0, tie_embeddings=True),
-    "SmolLM2-1.7B": dict(block_size=8192, vocab_size=49152, n_layer=24, n_head=32, dim=2048, n_local_heads=32,
-                         intermediate_size=8192, rope_base=130000.0, tie_embeddings=True),
-}
 
 
 class KVCache(nn.Module):
@@ -202,9 +136,14 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
+    # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
+    # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
+    matmul = staticmethod(torch.matmul)
+
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=False)  # rows: q, then k, then v
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
@@ -222,7 +161,17 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
+        key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
+        B, nh, T, hd = q.shape
+        if T > 1:  # prefill and verify: PyTorch's fused kernel
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=nh != self.n_local_heads)
+        # one query a row (decoding), written out: each k/v head's group of query heads as rows
+        q = q.view(B, self.n_local_heads, nh // self.n_local_heads, hd)  # (B, n_kv, group, hd)
+        scores = self.matmul(q, k.transpose(-1, -2)).float() * self.scale  # (B, n_kv, group, S)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        return self.matmul(probs, v).to(q.dtype).view(B, nh, 1, hd)
 
 
 class FeedForward(nn.Module):
@@ -275,3 +224,42 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     cos, sin = rope.unsqueeze(2).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Well-known shapes, for benchmarks with random weights (ModelArgs.from_name)
+
+_llama31_rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192, rope_type="llama3")
+_llama32_rope = dict(_llama31_rope, factor=32.0)
+transformer_configs = {
+    "Llama-2-7B": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
+    "Llama-2-13B": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
+    "Llama-2-70B": dict(block_size=4096, n_layer=80, n_head=64, dim=8192, n_local_heads=8, intermediate_size=28672),
+    "CodeLlama-7B": dict(block_size=16384, vocab_size=32016, n_layer=32, n_head=32, dim=4096, rope_base=1e6),
+    "CodeLlama-34B": dict(block_size=16384, n_layer=48, n_head=64, dim=8192, n_local_heads=8,
+                          intermediate_size=22016, rope_base=1e6),
+    "Mistral-7B": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
+                       intermediate_size=14336, rope_base=1e6),
+    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, dim=2048, n_local_heads=4, intermediate_size=5632),
+    "Llama-3-8B": dict(block_size=8192, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
+                       intermediate_size=14336, rope_base=500000.0),
+    "Llama-3-70B": dict(block_size=8192, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
+                        intermediate_size=28672, rope_base=500000.0),
+    "Llama-3.1-8B": dict(block_size=131072, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
+                         intermediate_size=14336, rope_base=500000.0, rope_scaling=_llama31_rope),
+    "Llama-3.1-70B": dict(block_size=131072, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
+                          intermediate_size=28672, rope_base=500000.0, rope_scaling=_llama31_rope),
+    "Llama-3.2-1B": dict(block_size=131072, vocab_size=128256, n_layer=16, n_head=32, dim=2048, n_local_heads=8,
+                         intermediate_size=8192, head_dim=64, rope_base=500000.0, rope_scaling=_llama32_rope,
+                         tie_embeddings=True),
+    "Llama-3.2-3B": dict(block_size=131072, vocab_size=128256, n_layer=28, n_head=24, dim=3072, n_local_heads=8,
+                         intermediate_size=8192, head_dim=128, rope_base=500000.0, rope_scaling=_llama32_rope,
+                         tie_embeddings=True),
+    "SmolLM2-135M": dict(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, dim=576, n_local_heads=3,
+                         intermediate_size=1536, rope_base=100000.0, tie_embeddings=True),
+    "SmolLM2-360M": dict(block_size=8192, vocab_size=49152, n_layer=32, n_head=15, dim=960, n_local_heads=5,
+                         intermediate_size=2560, rope_base=100000.0, tie_embeddings=True),
+    "SmolLM2-1.7B": dict(block_size=8192, vocab_size=49152, n_layer=24, n_head=32, dim=2048, n_local_heads=32,
+                         intermediate_size=8192, rope_base=130000.0, tie_embeddings=True),
+}

@@ -1,8 +1,8 @@
 """Weight-only quantization, written once into a checkpoint and loaded straight into quantized modules.
 
-    python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int8
-    python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int4 --groupsize 32
-    python quantize.py --checkpoint_path checkpoints/X/model.safetensors --mode int4-gptq --groupsize 64
+    python quantize.py --checkpoint_path checkpoints/X --mode int8
+    python quantize.py --checkpoint_path checkpoints/X --mode int4 --groupsize 32
+    python quantize.py --checkpoint_path checkpoints/X --mode int4-gptq --groupsize 64
     python quantize.py --mode int4-gguf       # the bundled model's own Q4_1 weights, copied losslessly
 
 Modes: int8 (per output channel, symmetric), int4 (per group of `groupsize` input columns,
@@ -13,8 +13,8 @@ reads one row of them).
 
 Layouts in the file are device-neutral: int8 `weight` (n, k) with `scales` (n,); int4 `weight` uint8
 (n, k/2), two 4-bit values a byte, high nibble first, with `scales` and `mins` (n, k/groupsize),
-where w = q * scale + min. `pack_for_device` turns int4 into the layout of the device's kernel at
-load. The scheme is recorded in the file's safetensors metadata, never parsed from its name.
+where w = q * scale + min. `pack_for_device` chooses each module's kernel for its device once, at
+load, and turns int4 into that kernel's layout. The scheme is recorded in the file's safetensors metadata, never parsed from its name.
 """
 
 import argparse
@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import (Group, gguf_names, load_config, resolve_checkpoint, single, unpermute_rows,
-                        write_safetensors)
-from model import KVCache, ModelArgs, Transformer, TransformerBlock, UserError, causal_mask, rope_cache
+from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
+from cpu_decode import one_row_product
+from errors import UserError, run_cli
+from model import KVCache, ModelArgs, Transformer, TransformerBlock, causal_mask, rope_cache
 from tokenizer import load_tokenizer
 
 GROUPSIZES = (32, 64, 128, 256)
@@ -83,21 +84,32 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
 
 
 class Int8Linear(nn.Module):
+    """Per-channel int8. Its kernel is chosen for its device once, by `pack`: on CPU, PyTorch's int8
+    kernel for a few rows, a fused multiply-and-sum for one row in compiled code (cpu_decode.py), and
+    a bf16 matmul of the dequantized weight for many rows (prefill), where the kernel is slower;
+    elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
+
     def __init__(self, in_features: int, out_features: int, dtype=torch.bfloat16, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+        self.kernel = None  # "cpu" or "dequantize" once packed
+
+    def pack(self, kernel: str):
+        self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu":  # (compiled decoding on CPU: generate.CPUDecodeInt8Linear)
-            rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] > 16:  # prefill: the kernel's many-row path is slower than bf16 GEMM after dequantizing
-                return (F.linear(x, self.weight.to(x.dtype)) * self.scales).to(x.dtype)
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        # compiled, inductor fuses the int8 -> x.dtype conversion into the matmul
-        return F.linear(x, self.weight.to(x.dtype)) * self.scales
+        assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
+        rows = x.shape[:-1].numel()
+        if self.kernel == "cpu" and rows == 1 and torch.compiler.is_compiling():
+            y = one_row_product(x, self.weight) * self.scales  # int8 converted in registers
+        elif self.kernel == "cpu" and rows <= 16:
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y.to(x.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -150,6 +162,10 @@ class Int4Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+def int8_kernel(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else "dequantize"
+
+
 def int4_kernel(device: torch.device, out_features: int) -> str:
     """Which int4 kernel this device and shape can use; "dequantize" where none can."""
     if device.type == "cuda":
@@ -180,17 +196,31 @@ def swap_linears(model: Transformer, scheme: dict):
 
 
 def pack_for_device(model: Transformer):
-    """Give each int4 module the layout of its device's kernel; say once if some fall back."""
+    """Choose each quantized module's kernel for its device, once, and give int4 weights that kernel's
+    layout; say once if some int4 layers have no kernel here."""
+    from tqdm import tqdm
+
     fallbacks = []
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    progress = tqdm(total=len(int4), desc="packing int4 weights", unit="layer", leave=False, disable=not int4)
     for name, m in model.named_modules():
-        if isinstance(m, Int4Linear) and m.kernel is None:
+        if isinstance(m, Int8Linear) and m.kernel is None:
+            m.pack(int8_kernel(m.weight.device))
+        elif isinstance(m, Int4Linear) and m.kernel is None:
+            progress.update()
             kernel = int4_kernel(m.weight.device, m.out_features)
             m.pack(kernel)
             if kernel == "dequantize":
                 fallbacks.append(name)
+    progress.close()
     if fallbacks:
         print(f"note: no int4 kernel here for {len(fallbacks)} layers (e.g. {fallbacks[0]}): they run as "
               f"bf16 matmuls of dequantized weights, correct but not faster", file=sys.stderr)
+
+
+def int4_groupsize(scheme: dict | None) -> int | None:
+    """The group size of an int4 scheme, None for any other."""
+    return scheme["groupsize"] if scheme and scheme["mode"] == "int4" else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +272,7 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
         raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
     config = load_config(checkpoint_path)
     source = safe_open(str(checkpoint_path), framework="pt")
-    if read_scheme(source.metadata() or {}):
+    if read_scheme(read_metadata(checkpoint_path)):
         raise UserError(f"{checkpoint_path} is already quantized ({source.metadata()['quantization']}): "
                         f"quantize the bf16 checkpoint it came from")
     output = Path(output or output_path(checkpoint_path, mode, groupsize))
@@ -406,8 +436,9 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
     GGUF, not re-quantized. The head is int8 as in every mode."""
     import gguf
 
-    with safe_open(str(checkpoint_path), framework="pt") as f:
-        gguf_path = (f.metadata() or {}).get("source", "")
+    from convert import gguf_names, unpermute_rows
+
+    gguf_path = read_metadata(checkpoint_path).get("source", "")
     if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
         raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
     reader = gguf.GGUFReader(gguf_path)
@@ -457,14 +488,17 @@ def read_scheme(metadata: dict[str, str]) -> dict | None:
 
 
 def main(args):
-    path = quantize(args.checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file,
+    checkpoint_path = args.checkpoint_path
+    if checkpoint_path is None:
+        from convert import bundled_checkpoint
+
+        checkpoint_path = bundled_checkpoint()
+    path = quantize(checkpoint_path, args.mode, args.groupsize, args.output, args.calibration_file,
                     args.calibration_samples, args.calibration_seq_len)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); run: python generate.py --checkpoint_path {path}")
 
 
 if __name__ == "__main__":
-    from generate import run_cli
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--mode", required=True,

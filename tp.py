@@ -6,10 +6,11 @@ boundary, the output projection by its input columns) and the MLP by hidden unit
 rows, down by input columns). The row-wise layers (wo, w2) produce partial sums, added up by one
 all-reduce each: two per layer and token. Embeddings and the output head are replicated.
 
-A rank's model is simply a narrower model (fewer heads, a smaller MLP, built from `local_config`)
-with an all-reduce hook on wo and w2: model.py knows nothing of it. Each rank reads only its own
-rows of the checkpoint; quantized layouts shard the same way (per-row scales follow their rows;
-int4's per-group scales follow their columns, so a shard must hold whole groups).
+A rank's model is simply a narrower model (fewer heads, a smaller MLP) whose attention and MLP
+outputs are summed over the ranks: model.py knows nothing of it. `apply_tp` makes one from a model
+on the meta device and says which rows of the checkpoint the rank reads; quantized layouts shard
+the same way (per-row scales follow their rows; int4's per-group scales follow their columns, so a
+shard must hold whole groups).
 """
 
 import dataclasses
@@ -21,7 +22,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from checkpoint import fused_parts
-from model import ModelArgs, Transformer, UserError
+from errors import UserError
+from model import Attention, FeedForward, ModelArgs, Transformer
 
 
 def maybe_init_distributed() -> tuple[int, int]:
@@ -37,6 +39,21 @@ def maybe_init_distributed() -> tuple[int, int]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return rank, world
+
+
+def apply_tp(model: Transformer, rank: int, world: int, groupsize: int | None = None):
+    """Make `model` (on the meta device, before its weights are loaded) this rank's slice: 1/world of
+    each layer's heads and MLP, their outputs summed over the ranks. Returns the checkpoint reader's
+    selector for the rank's rows (checkpoint.read_safetensors). groupsize: of an int4 checkpoint,
+    whose shards must hold whole groups."""
+    check_divisible(model.config, world, groupsize)
+    full, model.config = model.config, local_config(model.config, world)
+    for layer in model.layers:
+        layer.attention, layer.feed_forward = Attention(model.config), FeedForward(model.config)
+        # the hooks sit on the modules holding wo and w2, so that quantized swaps inside keep them
+        layer.attention.register_forward_hook(all_reduce)
+        layer.feed_forward.register_forward_hook(all_reduce)
+    return shard_selector(full, rank, world)
 
 
 def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None):
@@ -81,20 +98,34 @@ def shard_selector(config: ModelArgs, rank: int, world: int):
     return select
 
 
-def add_all_reduces(model: Transformer):
-    """Sum the row-wise layers' partial outputs over the ranks. Functional collectives, so that the
-    compiled decode step traces them."""
-    def all_reduce(module, args, output: Tensor) -> Tensor:
-        # summed in fp32: one rounding to the model's dtype, not one per rank (the bytes are few)
-        return funcol.all_reduce(output.float(), "sum", dist.group.WORLD).to(output.dtype)
+def all_reduce(module, args, output: Tensor) -> Tensor:
+    """A forward hook summing a module's partial output over the ranks. A functional collective, so
+    that the compiled decode step traces it; summed in fp32: one rounding to the model's dtype, not
+    one per rank (the bytes are few)."""
+    return funcol.all_reduce(output.float(), "sum", dist.group.WORLD).to(output.dtype)
 
-    for layer in model.layers:
-        layer.attention.wo.register_forward_hook(all_reduce)
-        layer.feed_forward.w2.register_forward_hook(all_reduce)
+
+def rank_zero_first(make):
+    """make() on rank 0, then on the other ranks once it has finished: for files the first call writes
+    (the bundled model's conversion, a one-off quantization), so that no rank reads one half-written.
+    A user error on rank 0 is raised on every rank, so that all of them stop alike."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            result = make()
+        except UserError as e:
+            error = str(e)
+    message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UserError(message[0])
+    return result if dist.get_rank() == 0 else make()
 
 
 def shared_seed() -> int:
     """One seed for every rank, so that sampling draws the same tokens from the same logits."""
-    seed = torch.randint(0, 2**31, (1,))
+    # NCCL moves only GPU tensors, gloo CPU ones
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
+    seed = torch.randint(0, 2**31, (1,), device=device)
     dist.broadcast(seed, src=0)
     return int(seed)

@@ -35,11 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import cpu_decode
+import decode
 import generate as gen
 import quantize
+import speculative
 import tp
-from checkpoint import bundled_gguf, fused_parts, hf_names
-from model import ModelArgs, Transformer, UserError
+from checkpoint import fused_parts, load_config
+from convert import bundled_gguf, hf_names
+from errors import UserError, run_cli
+from model import ModelArgs, Transformer
 
 
 def timed(fn, device) -> float:
@@ -111,24 +116,22 @@ def hf_model_from(model: Transformer):
     return hf.to(weight.dtype).eval()
 
 
+def full_config(args) -> ModelArgs:
+    """The whole model's shape (a rank's model holds only its slice)."""
+    return ModelArgs.from_name(args.model) if args.model else load_config(gen.find_checkpoint(args.checkpoint_path))
+
+
 def load(args, rank: int = 0, world: int = 1) -> Transformer:
     if not args.model:
         return gen.load_model(args.checkpoint_path, args.device, args.precision, rank, world)
-    config = ModelArgs.from_name(args.model)
-    if world > 1:
-        tp.check_divisible(config, world)
-        config = tp.local_config(config, world)
     # random weights made where they run, in their dtype: no host or fp32 copy of a 70B
-    with torch.device("meta"):
-        model = Transformer(config).to(gen.PRECISIONS[args.precision])
-    model = model.to_empty(device=args.device)
-    if config.tie_embeddings:  # to_empty gave the tied table two tensors
+    model, _ = gen.empty_model(full_config(args), None, rank, world)
+    model = model.to(gen.PRECISIONS[args.precision]).to_empty(device=args.device)
+    if model.config.tie_embeddings:  # to_empty gave the tied table two tensors
         model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
         for weight in model.parameters():
             weight.normal_(0, 0.02)
-    if world > 1:
-        tp.add_all_reduces(model)
     return model.eval()
 
 
@@ -137,9 +140,11 @@ def resident_bytes(model: Transformer) -> int:
     return sum({t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()]}.values())
 
 
-def quantized_copy(model: Transformer, mode: str, groupsize: int) -> Transformer:
-    """The model with its linears quantized in memory, as quantize.py writes them (round to nearest):
-    random weights have no checkpoint to quantize. Embeddings and norms are shared, not copied."""
+def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: int, rank: int = 0,
+                   world: int = 1) -> Transformer:
+    """The model (rank's slice of `config`) with its linears quantized in memory, as quantize.py writes
+    them (round to nearest): random weights have no checkpoint to quantize. Embeddings and norms are
+    shared, not copied. Under TP it is sharded as the model is, all-reduces included."""
     scheme = {"mode": mode, "groupsize": groupsize}
     linears = {f"{name}.weight" for name in quantize.linear_names(model)}
     state = {}
@@ -149,7 +154,8 @@ def quantized_copy(model: Transformer, mode: str, groupsize: int) -> Transformer
             state.update(zip([spec[0] for spec in specs], make()))
         else:
             state[name] = tensor
-    quantized = gen.assemble(model.config, state, scheme)
+    quantized, _ = gen.empty_model(config, scheme, rank, world)
+    gen.fill(quantized, state)
     quantize.pack_for_device(quantized)
     return quantized.eval()
 
@@ -158,9 +164,10 @@ def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1):
     """(name, model) for each of --quantized: a checkpoint, or int8 / int4 quantized in memory."""
     for q in args.quantized:
         if q in ("int8", "int4"):
-            yield f"{q}{f' g{args.groupsize}' if q == 'int4' else ''} (in memory)", quantized_copy(model, q, args.groupsize)
+            yield (f"{q}{f' g{args.groupsize}' if q == 'int4' else ''} (in memory)",
+                   quantized_copy(model, full_config(args), q, args.groupsize, rank, world))
         else:
-            yield Path(q).stem.removeprefix("model_"), gen.load_model(q, args.device, args.precision, rank, world)
+            yield Path(q).stem.removeprefix("fastllama_"), gen.load_model(q, args.device, args.precision, rank, world)
 
 
 def ladder_prompt(args) -> tuple[Tensor, str]:
@@ -194,18 +201,18 @@ class Ladder:
     def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1):
         """Our compiled rungs: the model, then each quantized one."""
         args = self.args
-        gen.compile_functions()
-        gen.use_cpu_decode_modules(model)
+        decode.compile_steps()
+        cpu_decode.apply(model)
         self.ours(f"ours {args.precision} compiled{suffix}", model)
         for name, quantized in quantized_models(args, model, rank, world):
-            gen.use_cpu_decode_modules(quantized)
+            cpu_decode.apply(quantized)
             self.ours(f"ours {name} compiled{suffix}", quantized)
             del quantized
 
 
 @torch.no_grad()
 def main(args):
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if "LOCAL_RANK" in os.environ:  # a rank of tp_rows' torchrun
         return tp_worker(args)
     torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
     prompt, prompt_name = ladder_prompt(args)
@@ -218,8 +225,8 @@ def main(args):
     weight_bytes = gen.weight_bytes_per_token(model)
     floor = matmul_floor_ms(model, args.device)
     rows["matmul floor (F.linear)"] = dict(ms_per_token=floor, weight_bytes=weight_bytes)
-    if args.device == "cpu":  # what compiled decoding uses on CPU instead (generate.CPUDecodeLinear)
-        ms = matmul_floor_ms(model, args.device, torch.compile(gen.one_row_product))
+    if args.device == "cpu":  # what compiled decoding uses on CPU instead (cpu_decode.py)
+        ms = matmul_floor_ms(model, args.device, torch.compile(cpu_decode.one_row_product))
         rows["floor (compiled mul-sum)"] = dict(ms_per_token=ms, weight_bytes=weight_bytes)
     if not args.no_hf:
         hf_rows(ladder, model)
@@ -234,7 +241,8 @@ def main(args):
 
     peak = gen.peak_memory_gb(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
-          f"{args.device}, prompt: {prompt_name} ({len(prompt)} tokens), {args.max_new_tokens} new, greedy, "
+          f"{args.device}, prompt: {prompt_name} ({len(prompt)} tokens), {args.max_new_tokens} new (stop tokens "
+          f"ignored), greedy, "
           f"median of {args.runs}; measured copy bandwidth {bandwidth:.1f} GB/s (MBU = weight GB/s / that); "
           f"peak memory {peak:.2f} GB")
     print_table(rows, bandwidth, floor)
@@ -260,8 +268,6 @@ def hf_rows(ladder: Ladder, model: Transformer):
 
 def speculative_rows(ladder: Ladder, model: Transformer):
     """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
-    import speculative
-
     args = ladder.args
     for name, kw in drafters(args).items():
         stats = {}
@@ -274,14 +280,13 @@ def speculative_rows(ladder: Ladder, model: Transformer):
 def drafters(args) -> dict:
     """generate()'s speculative arguments for each drafter: prompt lookup, and --draft_checkpoint_path's
     model, compiled."""
-    import speculative
-
-    found = {"prompt lookup": dict(draft="prompt-lookup")}
+    found = {"prompt lookup": dict(drafter=speculative.PromptLookup())}
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
-        gen.use_cpu_decode_modules(draft_model)
-        found[f"draft {Path(args.draft_checkpoint_path).stem.removeprefix('model_')}"] = dict(draft_model=draft_model)
-    speculative.compile_functions()
+        cpu_decode.apply(draft_model)
+        name = Path(args.draft_checkpoint_path).stem.removeprefix("fastllama_")
+        found[f"draft {name}"] = dict(drafter=speculative.DraftModel(draft_model))
+    speculative.compile_steps()
     return found
 
 
@@ -373,12 +378,10 @@ SPECULATIVE_PROMPTS = {
 @torch.no_grad()
 def speculative_main(args):
     """Plain decoding against each drafter, compiled, on real prompts; acceptance and speedup."""
-    import speculative
-
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    gen.use_cpu_decode_modules(model)
-    gen.compile_functions()
+    cpu_decode.apply(model)
+    decode.compile_steps()
     drafts = drafters(args)
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, greedy, k={args.speculate_k}, median of {args.runs}")
@@ -459,7 +462,16 @@ if __name__ == "__main__":
         p.error("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
     if args.llama_bench and not shutil.which(args.llama_bench):
         p.error(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
+    if not args.no_hf:
+        try:
+            import transformers  # noqa: F401 (checked before minutes of measuring)
+        except ImportError:
+            p.error("the HF rungs need transformers: pip install -e '.[bench]', or pass --no-hf")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
+    if any(n < 2 for n in args.tp or []):
+        p.error("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
     if args.tp is None:
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
         args.tp = [gpus] if gpus > 1 else []
-    gen.run_cli(speculative_main if args.speculative else main, args)
+    run_cli(speculative_main if args.speculative else main, args)

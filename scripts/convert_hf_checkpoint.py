@@ -1,21 +1,22 @@
-"""Convert a Hugging Face Llama-family checkpoint directory into ours, in the same directory.
+"""Convert a Hugging Face checkpoint directory into ours, in the same directory.
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-3.1-8B-Instruct
 
 Reads config.json and the *.safetensors or pytorch_model*.bin shards tensor by tensor, and writes
-model.safetensors and model_config.json beside them (the tokenizer files are already there).
+fastllama.safetensors and model_config.json beside them (the tokenizer files are already there).
+The Hugging Face files are only read.
 """
 
 import argparse
 from pathlib import Path
 
-from checkpoint import convert_hf_checkpoint
-from generate import run_cli
+from convert import convert_hf_checkpoint
+from errors import run_cli
 
 
 def main(args):
     path = convert_hf_checkpoint(args.checkpoint_dir)
-    print(f"wrote {path}; run: python generate.py --checkpoint_path {path}")
+    print(f"wrote {path}; run: python generate.py --checkpoint_path {path.parent}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 import pytest
 import torch
 
-from checkpoint import bundled_gguf, default_checkpoint
+import convert
+from convert import bundled_gguf
 from generate import load_model
 
 
 @pytest.fixture(scope="session")
 def bundled_checkpoint():
     """The bundled SmolLM2-135M-Instruct in our format (converted from its GGUF on first use)."""
-    return default_checkpoint()
+    return convert.bundled_checkpoint()
 
 
 @pytest.fixture(scope="session")

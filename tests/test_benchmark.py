@@ -33,7 +33,7 @@ def test_hf_model_holds_our_weights(model_fp32):
 
 def test_quantized_copy_equals_the_quantized_checkpoint(bundled_checkpoint, int4_checkpoint):
     model = load_model(bundled_checkpoint, "cpu", "fp32")  # the precision the bundled checkpoint is stored in
-    in_memory = benchmark.quantized_copy(model, "int4", 32)
+    in_memory = benchmark.quantized_copy(model, model.config, "int4", 32)
     from_file = load_model(int4_checkpoint, "cpu", "fp32")
     linears = set(quantize.linear_names(model))  # quantize.py stores the rest in bf16; here it stays fp32
     quantized = {n: t for n, t in from_file.state_dict().items() if n.rpartition(".")[0] in linears}
@@ -68,3 +68,19 @@ def test_ladder_runs_end_to_end(tmp_path):
     png = tmp_path / "ladder.png"
     subprocess.run([sys.executable, "scripts/plot_ladder.py", str(out), str(png)], cwd=REPO, check=True, timeout=120)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
+    (["--no-hf", "--device", "cuda"], "no CUDA device"),
+    (["--no-hf", "--tp", "1"], "--tp takes world sizes of 2 or more"),  # it used to relaunch itself forever
+])
+def test_bad_setups_are_one_line_before_measuring(tmp_path, argv, message):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "transformers").mkdir()  # an installation without transformers
+    (tmp_path / "transformers" / "__init__.py").write_text('raise ImportError("not installed")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", *argv],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0 and message in run.stderr.splitlines()[-1] and "Traceback" not in run.stderr

@@ -6,10 +6,13 @@ import sys
 import pytest
 import torch
 
+import cpu_decode
+import decode
 import generate as gen
 from checkpoint import CONFIG_NAME
-from generate import generate, get_tokenizer, load_model, logits_to_probs, sample
-from model import UserError
+from decode import logits_to_probs, sample
+from errors import UserError, run_cli
+from generate import generate, get_tokenizer, load_model
 
 PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time, in a small village by the sea,"]
 
@@ -29,25 +32,30 @@ def test_batch_of_different_prompts_equals_each_alone(model_fp32, bundled_checkp
         assert row[: len(prompt)].tolist() == prompt.tolist()
 
 
-def test_per_row_positions_match_shared_positions(model_fp32):
-    """forward with input_pos (B, T) equals forward with the same positions as (T,)."""
+def test_per_row_positions_match_each_row_alone(model_fp32):
+    """forward with input_pos (B, T), the rows at different positions, equals each row run alone."""
     ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
-    model_fp32.setup_caches(2, 64)
     with torch.no_grad():
-        shared = model_fp32(ids, torch.arange(6))
-        model_fp32.setup_caches(2, 128)
-        per_row = model_fp32(ids, torch.arange(6).expand(2, 6))
-    torch.testing.assert_close(shared, per_row)
+        model_fp32.setup_caches(1, 64)
+        alone = [model_fp32(ids[r: r + 1], torch.arange(6))[0] for r in range(2)]
+        model_fp32.setup_caches(2, 64)
+        model_fp32(ids[:, :3], torch.arange(3))
+        # row 0 goes on at positions 3..5; row 1 rewrites 1..2 with the same tokens and goes on to 3
+        positions = torch.tensor([[3, 4, 5], [1, 2, 3]])
+        per_row = model_fp32(ids.gather(1, positions), positions)
+    # fp32, summed over other splits of the sequence: equal up to rounding
+    torch.testing.assert_close(per_row[0], alone[0][3:6], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(per_row[1], alone[1][1:4], atol=2e-4, rtol=1e-4)
 
 
 def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
     model = load_model(bundled_checkpoint, "cpu", "bf16")
     prompt = encode(bundled_checkpoint, PROMPTS[2:])[0]
     eager = generate(model, prompt, 24, temperature=0)
-    monkeypatch.setattr(gen, "decode_one_token", gen.decode_one_token)  # restored after the test
-    monkeypatch.setattr(gen, "prefill", gen.prefill)
-    gen.use_cpu_decode_modules(model)
-    gen.compile_functions()
+    monkeypatch.setattr(decode, "decode_one_token", decode.decode_one_token)  # restored after the test
+    monkeypatch.setattr(decode, "prefill", decode.prefill)
+    cpu_decode.apply(model)
+    decode.compile_steps()
     compiled = generate(model, prompt, 24, temperature=0)
     assert compiled.tolist() == eager.tolist()
     # a second call reuses the compiled graph and the cache
@@ -75,6 +83,20 @@ def test_sampling_filters():
     assert (probs[0, :3] > 0).all() and (probs[0, 3:] == 0).all()
     probs = logits_to_probs(logits, temperature=1.0, top_p=1e-6)
     assert probs[0, 0] == 1.0
+    for greedy in (logits_to_probs(logits, temperature=1.0, top_p=0.0), logits_to_probs(logits, temperature=0.0)):
+        assert greedy[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # no NaN: the top token always stays
+
+
+def test_a_tiny_temperature_is_greedy():
+    near_tie = torch.tensor([[2.0, 2.0 - 4e-7, -1.0]]).repeat(4000, 1)
+    assert (sample(near_tie, temperature=1e-9) == 0).all()  # not the ~52/48 a clamped temperature gives
+
+
+def test_a_filtered_token_is_never_drawn(monkeypatch):
+    """argmax(p / Exp(1)) with an exponential draw of exactly 0: 0 / 0 must not make a NaN that argmax picks."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *args, **kwargs: self.zero_())
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7]])
+    assert decode.sample_from(probs).item() in (1, 3)
 
 
 def test_sampling_follows_the_distribution():
@@ -91,6 +113,25 @@ def test_seeded_sampling_is_reproducible(model_fp32, bundled_checkpoint):
         torch.manual_seed(123)
         outs.append(generate(model_fp32, prompt, 12, temperature=0.8, top_k=50, top_p=0.95).tolist())
     assert outs[0] == outs[1]
+
+
+def test_streamed_tokens_are_each_rows_text_and_end_at_its_stop(model_fp32, bundled_checkpoint):
+    """callback sees every row's new tokens up to and including its stop token, and nothing after:
+    not the tokens a finished row keeps decoding while the batch goes on."""
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    prompts = [torch.tensor(tokenizer.encode_prompt(q, chat=True)) for q in ("What is 2+2?", "Name a color.",
+                                                                                "Write a long poem about the sea.")]
+    streamed = [[] for _ in prompts]
+
+    def callback(rows):
+        for seen, new in zip(streamed, rows):
+            seen.extend(new)
+
+    outputs = generate(model_fp32, prompts, 40, temperature=0, stop_ids=tokenizer.stop_ids, callback=callback)
+    for prompt, output, seen in zip(prompts, outputs, streamed):
+        assert seen == output[len(prompt):].tolist()
+    ended = [seen[-1] in tokenizer.stop_ids for seen in streamed]
+    assert ended[0] and not ended[2]  # one short answer ended early while the poem went on
 
 
 def test_generate_rejects_bad_arguments(model_fp32):
@@ -111,7 +152,7 @@ def test_generate_rejects_bad_arguments(model_fp32):
 
 def cli_error(argv) -> str:
     with pytest.raises(SystemExit) as exc:
-        gen.run_cli(gen.main, gen.parse_args(argv))
+        run_cli(gen.main, gen.parse_args(argv))
     assert isinstance(exc.value.code, str) and exc.value.code.startswith("error: ")
     assert "\n" not in exc.value.code
     return exc.value.code
@@ -127,6 +168,41 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "context length" in cli_error(["--prompt", "hi " * 9000, "--max_new_tokens", "10"])
     assert "batch_size" in cli_error(["--batch_size", "0"])
     assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
+    tokenizer_file = bundled_checkpoint.parent / "tokenizer.json"
+    assert "give the converted checkpoint's directory" in cli_error(["--checkpoint_path", str(tokenizer_file)])
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in cli_error(["--device", "cuda"])
+
+
+def test_corrupt_model_config_is_one_line(tmp_path, bundled_checkpoint):
+    for name in ("tokenizer.json", "tokenizer_config.json", bundled_checkpoint.name):
+        (tmp_path / name).symlink_to((bundled_checkpoint.parent / name).resolve())
+    (tmp_path / CONFIG_NAME).write_text('{"dim": 576,')
+    assert "not a readable model config" in cli_error(["--checkpoint_path", str(tmp_path)])
+
+
+def test_cli_stops_at_the_end_of_the_answer(capsys):
+    """The README's first command: the answer ends at the stop token, unless --ignore_eos."""
+    argv = ["--prompt", "What is 2+2? Answer with one number.", "--temperature", "0", "--max_new_tokens", "60",
+            "--precision", "fp32"]
+    tokenizer = get_tokenizer()
+    prompt_len = len(tokenizer.encode_prompt("What is 2+2? Answer with one number.", chat=True))
+    for extra in ([], ["--batch_size", "2"], ["--draft", "prompt-lookup"]):
+        outputs = gen.main(gen.parse_args(argv + extra))
+        for row in outputs:
+            assert row[-1].item() in tokenizer.stop_ids and len(row) < prompt_len + 60, extra
+        printed = capsys.readouterr().out
+        assert "system" not in printed and "user" not in printed, printed
+        if "--batch_size" in extra:  # every row printed, labelled
+            assert "[1/2] " in printed and "[2/2] " in printed
+    outputs = gen.main(gen.parse_args(argv + ["--ignore_eos"]))
+    assert len(outputs[0]) == prompt_len + 60
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        gen.parse_args(["--help"])
+    assert "(default: 200)" in capsys.readouterr().out
 
 
 def test_cli_runs_and_reports(tmp_path):
@@ -147,12 +223,18 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert result.stderr.startswith("error: no checkpoint at") and "Traceback" not in result.stderr
 
 
-def test_interactive_chat_streams_answers():
-    result = subprocess.run([sys.executable, "generate.py", "--interactive", "--temperature", "0",
-                             "--max_new_tokens", "12"], input="What is the capital of France?\n", capture_output=True,
-                            text=True, timeout=300)
+def test_interactive_chat_streams_answers_up_to_their_end():
+    """Each answer ends at the model's end of turn: nothing of the template after it is printed or
+    kept in the dialog (greedy fp32 "What is 2+2?" answers in ~10 tokens, then would go on with
+    "system", "user" and an invented request)."""
+    result = subprocess.run([sys.executable, "generate.py", "--interactive", "--temperature", "0", "--precision",
+                             "fp32", "--max_new_tokens", "48"], input="What is the capital of France?\nWhat is 2+2?\n",
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "Assistant: " in result.stdout and "Paris" in result.stdout
+    answers = result.stdout.split("Assistant: ")[1:]
+    assert len(answers) == 2 and "Paris" in answers[0] and "4" in answers[1]
+    for answer in answers:
+        assert "system" not in answer and "user" not in answer and "<|im" not in answer, answer
 
 
 def test_cli_speculative_prints_acceptance():

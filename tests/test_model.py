@@ -1,13 +1,16 @@
 """Our model against HF transformers on the same weights: the bundled GGUF and tiny HF checkpoints."""
 
 import json
+import math
 
 import pytest
 import torch
 
-from checkpoint import convert_hf_checkpoint, single, write_safetensors
+from checkpoint import CHECKPOINT_NAME, single, write_safetensors
+from convert import convert_hf_checkpoint
+from errors import UserError
 from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer, UserError, transformer_configs
+from model import ModelArgs, Transformer, transformer_configs
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,7 +100,7 @@ TINY_CASES = {
     "llama31_rope_gqa_safetensors_shards": dict(
         overrides=dict(num_key_value_heads=2, rope_theta=500000.0,
                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=64)),
+                                         original_max_position_embeddings=256)),
         fmt="safetensors"),
     "untied_bin_shards": dict(overrides=dict(tie_word_embeddings=False), fmt="bin"),
     "tied_single_safetensors": dict(overrides=dict(tie_word_embeddings=True, num_key_value_heads=4), fmt="single"),
@@ -123,6 +126,14 @@ def test_converted_hf_checkpoint_matches_hf(case, tmp_path):
     ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
     assert_logits_match(model, hf, ids, decode_steps=4)
     if "rope_scaling" in spec["overrides"]:  # past original_max_position_embeddings, where scaling acts
+        # the shape puts a frequency in each of the three bands: kept, blended (the smoothing formula), divided
+        c, scaling = model.config, model.config.rope_scaling
+        wavelengths = 2 * math.pi * c.rope_base ** (torch.arange(0, c.head_dim, 2) / c.head_dim)
+        old = scaling["original_max_position_embeddings"]
+        bands = [(wavelengths < old / scaling["high_freq_factor"]).any(),
+                 ((wavelengths >= old / scaling["high_freq_factor"]) & (wavelengths <= old / scaling["low_freq_factor"])).any(),
+                 (wavelengths > old / scaling["low_freq_factor"]).any()]
+        assert all(bands), wavelengths
         long_ids = torch.randint(0, 320, (1, 300), generator=torch.Generator().manual_seed(2))
         assert_logits_match(model, hf, long_ids, decode_steps=2)
     # converting again reads the HF files, not our own output
@@ -130,7 +141,7 @@ def test_converted_hf_checkpoint_matches_hf(case, tmp_path):
 
 
 def test_conversion_is_streamed_and_atomic(tmp_path, monkeypatch):
-    """An interrupted conversion leaves no model.safetensors and no partial file."""
+    """An interrupted conversion leaves no checkpoint and no partial file."""
     hf = tiny_hf_model()
     hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     calls = []
@@ -147,7 +158,7 @@ def test_conversion_is_streamed_and_atomic(tmp_path, monkeypatch):
         convert_hf_checkpoint(tmp_path / "hf")
     monkeypatch.undo()
     assert len(calls) == 5
-    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    assert not (tmp_path / "hf" / CHECKPOINT_NAME).exists()
     assert not list((tmp_path / "hf").glob("*.partial"))
     assert not (tmp_path / "hf" / "model_config.json").exists()
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 import quantize
 from checkpoint import CONFIG_NAME, load_config
-from generate import CPUDecodeInt8Linear, get_tokenizer, load_model, weight_bytes_per_token
-from model import UserError
+from errors import UserError
+from generate import get_tokenizer, load_model, weight_bytes_per_token
 from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
                       unpack_int4)
 
@@ -52,6 +52,7 @@ def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
     q, scales = quantize_int8(random_weight(n, k))
     m = Int8Linear(k, n)
     m.weight, m.scales = q, scales  # what load_state_dict(assign=True) does
+    quantize.pack_for_device(m)
     return m, q.float() * scales.float()[:, None]
 
 
@@ -73,7 +74,6 @@ def test_int8_linear_compiled_one_row(n, k, shape):
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
     m, w_ref = int8_module(n, k)
-    m.__class__ = CPUDecodeInt8Linear  # what generate.use_cpu_decode_modules does
     graphs = []
 
     def inductor(gm, example_inputs):

@@ -4,18 +4,21 @@ import pytest
 import torch
 
 import speculative
+from errors import UserError
 from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer, UserError
+from model import ModelArgs, Transformer
+from speculative import DraftModel, PromptLookup
 
 PROMPTS = ["Once upon a time, in a small village by the sea,",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "The three primary colors are red, blue and"]
+REPEATING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"  # its continuation repeats what came before
 
 
 @pytest.fixture(scope="module")
 def prompts(bundled_checkpoint):
     tokenizer = get_tokenizer(bundled_checkpoint)
-    return [torch.tensor(tokenizer.encode(p)) for p in PROMPTS]
+    return [torch.tensor(tokenizer.encode(p)) for p in PROMPTS + [REPEATING]]
 
 
 @pytest.fixture(scope="module")
@@ -33,47 +36,99 @@ def random_draft(model_fp32):
 
 @pytest.fixture(scope="module")
 def plain_greedy(model_fp32, prompts):
-    batches = ([prompts[0]], prompts)  # one prompt, and prompts of different lengths together
+    batches = ([prompts[0]], prompts[:3])  # one prompt, and prompts of different lengths together
     return [(batch, generate(model_fp32, batch, 24, temperature=0)) for batch in batches]
 
 
 @pytest.mark.parametrize("drafter", ["int4", "random", "prompt-lookup"])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_speculative_equals_plain_greedy(drafter, k, model_fp32, plain_greedy, int4_draft, random_draft):
-    kwargs = {"int4": dict(draft_model=int4_draft), "random": dict(draft_model=random_draft),
-              "prompt-lookup": dict(draft="prompt-lookup")}[drafter]
+def test_greedy_speculative_equals_plain_greedy(drafter, k, model_fp32, prompts, plain_greedy, int4_draft,
+                                                random_draft):
+    kwargs = {"int4": dict(drafter=DraftModel(int4_draft)), "random": dict(drafter=DraftModel(random_draft)),
+              "prompt-lookup": dict(drafter=PromptLookup())}[drafter]
     for batch, plain in plain_greedy:
         stats = {}
         spec = generate(model_fp32, batch, 24, temperature=0, speculate_k=k, stats=stats, **kwargs)
         assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
-        assert sum(stats["accepted_counts"]) + stats["plain_steps"] > 0
     if drafter == "int4":  # the int4 copy of this Q4_1-born model agrees with it almost always
         assert stats["accepted_counts"][-1] > sum(stats["accepted_counts"][:-1])
+    if drafter == "prompt-lookup":  # on text that repeats itself, drafts are verified and kept
+        repeating = prompts[-1]
+        stats = {}
+        spec = generate(model_fp32, repeating, 24, temperature=0, speculate_k=k, stats=stats, **kwargs)
+        assert spec.tolist() == generate(model_fp32, repeating, 24, temperature=0).tolist()
+        kept = sum(i * c for i, c in enumerate(stats["accepted_counts"]))
+        assert kept >= 23 * k / (k + 1) / 2, stats  # half of what drafting can give (k of each k + 1 tokens)
 
 
 def test_stop_tokens_and_lengths(model_fp32, bundled_checkpoint, int4_draft):
     tokenizer = get_tokenizer(bundled_checkpoint)
     prompt = torch.tensor(tokenizer.encode_prompt("What is 2+2?", chat=True))
     plain = generate(model_fp32, prompt, 40, temperature=0, stop_ids=tokenizer.stop_ids)
-    spec = generate(model_fp32, prompt, 40, temperature=0, stop_ids=tokenizer.stop_ids, draft_model=int4_draft)
+    spec = generate(model_fp32, prompt, 40, temperature=0, stop_ids=tokenizer.stop_ids, drafter=DraftModel(int4_draft))
     assert spec.tolist() == plain.tolist()
-    assert len(generate(model_fp32, prompt, 7, temperature=0, draft_model=int4_draft, speculate_k=5)) == len(prompt) + 7
+    assert len(generate(model_fp32, prompt, 7, temperature=0, drafter=DraftModel(int4_draft), speculate_k=5)) == len(prompt) + 7
 
 
 def test_sampling_is_seeded_and_valid(model_fp32, prompts, int4_draft):
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        runs.append([o.tolist() for o in generate(model_fp32, prompts, 20, temperature=0.9, top_k=100, top_p=0.95,
-                                                  draft_model=int4_draft, speculate_k=4)])
+        runs.append([o.tolist() for o in generate(model_fp32, prompts[:3], 20, temperature=0.9, top_k=100, top_p=0.95,
+                                                  drafter=DraftModel(int4_draft), speculate_k=4)])
     assert runs[0] == runs[1]
     assert all(len(o) == len(p) + 20 for o, p in zip(runs[0], prompts))
+
+
+def test_streamed_tokens_are_the_output(model_fp32, bundled_checkpoint, int4_draft):
+    """callback works when speculating: each row's stream is its new tokens, ending at its stop token."""
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    prompts = [torch.tensor(tokenizer.encode_prompt(q, chat=True)) for q in ("What is 2+2?", "Repeat: a b c a b c")]
+    for drafter in (DraftModel(int4_draft), PromptLookup()):
+        streamed = [[], []]
+        outputs = generate(model_fp32, prompts, 30, temperature=0, stop_ids=tokenizer.stop_ids, drafter=drafter,
+                           callback=lambda rows: [seen.extend(new) for seen, new in zip(streamed, rows)])
+        assert [o[len(p):].tolist() for p, o in zip(prompts, outputs)] == streamed
+        assert streamed[0][-1] in tokenizer.stop_ids
+
+
+@pytest.mark.parametrize("max_new_tokens", [15, 20])
+def test_lengths_up_to_the_context_run_speculatively(max_new_tokens):
+    """A context that is no multiple of 64 (100 here): 80 tokens of prompt and up to 20 new ones fill
+    it exactly, plain and speculative alike (a verify step's drafts past the end are discarded)."""
+    torch.manual_seed(0)
+    config = ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=100)
+    target, draft = Transformer(config).eval(), Transformer(config).eval()
+    prompt = torch.randint(0, 64, (80,))
+    plain = generate(target, prompt, max_new_tokens, temperature=0)
+    assert len(plain) == 80 + max_new_tokens
+    for drafter in (DraftModel(target), DraftModel(draft), PromptLookup()):
+        for k in (1, 5, 8):
+            assert generate(target, prompt, max_new_tokens, temperature=0, drafter=drafter,
+                            speculate_k=k).tolist() == plain.tolist()
+    with pytest.raises(UserError, match="context length"):
+        generate(target, prompt, 21, drafter=PromptLookup())
+
+
+def test_a_new_drafter_is_one_class():
+    """The loop knows no drafter's details: a drafter that always proposes the same tokens works."""
+    class Constant(speculative.Drafter):
+        def propose(self, tokens, lengths, k, **sampling):
+            return torch.full((len(lengths), k), 7, device=tokens.device), None
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=128)).eval()
+    prompts = [torch.randint(0, 64, (n,)) for n in (5, 9)]
+    assert ([o.tolist() for o in generate(model, prompts, 12, temperature=0, drafter=Constant())]
+            == [o.tolist() for o in generate(model, prompts, 12, temperature=0)])
+    with pytest.raises(UserError, match="drafter must be"):
+        generate(model, prompts, 4, drafter="prompt_lookup")
 
 
 def test_draft_with_another_vocabulary_is_refused(model_fp32, prompts):
     other = Transformer(ModelArgs(vocab_size=1000, n_layer=1, n_head=2, dim=32, block_size=256))
     with pytest.raises(UserError, match="vocabulary"):
-        generate(model_fp32, prompts[0], 8, draft_model=other)
+        generate(model_fp32, prompts[0], 8, drafter=DraftModel(other))
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():
@@ -84,6 +139,10 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     assert drafts.tolist() == [[7, 8], [4, 1]]
     drafts, found = speculative.prompt_lookup(torch.tensor([[1, 2, 3, 4, 0]]), torch.tensor([4]), k=2)
     assert found.tolist() == [False]
+    # periodic text: the period goes on past the end of the text, never into its padding
+    drafts, found = speculative.prompt_lookup(torch.tensor([[5, 5, 5, 5, 0, 0], [1, 2, 1, 2, 1, 0]]),
+                                              torch.tensor([4, 5]), k=4)
+    assert found.tolist() == [True, True] and drafts.tolist() == [[5, 5, 5, 5], [2, 1, 2, 1]]
 
 
 def test_greedy_acceptance():

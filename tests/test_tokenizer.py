@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from pydoc_data.topics import topics
 
-from model import UserError
+from errors import UserError
 from tokenizer import chat_format_from_template, load_tokenizer
 
 TEXT = [line for topic in topics.values() for line in topic.splitlines() if line.strip()][:800]

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import generate as gen
 import tp
-from model import ModelArgs, UserError
+from errors import UserError
+from model import ModelArgs
 from tests.tp_worker import CLEAR_MARGIN_PROMPTS, PROMPTS, run_case
 
 # max |diff| / max |logit|: the sharded sums are added in another order; in bf16 (8 bits of mantissa)
@@ -43,6 +45,44 @@ def test_three_ranks_match_one(case, sharded_results):
         assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() <= TOLERANCE[precision]
         if precision == "fp32" or prompt in CLEAR_MARGIN_PROMPTS:
             assert tokens.tolist() == ref_tokens.tolist(), (case, prompt)
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent.parent)
+
+
+def test_the_command_line_under_torchrun(bundled_checkpoint, tmp_path):
+    """generate.py's own start-up on 3 ranks: sampling draws the same tokens on every rank (a shared
+    seed), a replicated int4 self-draft is made once (one rank writes it, the others wait for the
+    finished file) and gives every rank the same output."""
+    checkpoint = tmp_path / "model"  # the bundled model in a directory of its own, without an int4 copy yet
+    checkpoint.mkdir()
+    for f in bundled_checkpoint.parent.iterdir():
+        if f.is_file() and "_int" not in f.name:
+            (checkpoint / f.name).symlink_to(f.resolve())
+    common = f"--checkpoint_path {checkpoint} --precision fp32 --max_new_tokens 12 --prompt 'Tell me a story'"
+    run = torchrun(3, "tests/tp_worker.py", "--cli", str(tmp_path / "out.pt"),
+                   f"{common} --temperature 0.8 --top_k 50", f"{common} --temperature 0.8 --draft self-int4",
+                   f"{common} --temperature 0 --draft self-int4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"out.pt.{rank}") for rank in range(3)]
+    for rank in ranks[1:]:
+        assert [[o.tolist() for o in outputs] for outputs in rank] == [[o.tolist() for o in outputs] for outputs in ranks[0]]
+    tokenizer = gen.get_tokenizer(checkpoint)
+    prompt = torch.tensor(tokenizer.encode_prompt("Tell me a story", chat=True))
+    single = gen.generate(gen.load_model(checkpoint, "cpu", "fp32"), prompt, 12, temperature=0,
+                          stop_ids=tokenizer.stop_ids)
+    assert ranks[0][2][0].tolist() == single.tolist()  # greedy fp32: sharded and speculative, the same tokens
+    assert (checkpoint / "fastllama_int4.g32.safetensors").is_file() and not list(checkpoint.glob("*.partial"))
+
+
+def test_a_world_size_that_does_not_split_stops_every_rank_with_one_line():
+    run = torchrun(2, "generate.py", "--max_new_tokens", "4", timeout=300)
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: this model (9 heads, 3 key/value heads, MLP of 1536) does not split 2 ways; world "
+                     "sizes that work: [1, 3]"], run.stderr[-3000:]
 
 
 def test_sizes_that_do_not_split_are_refused():

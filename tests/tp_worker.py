@@ -1,10 +1,16 @@
-"""Run under torchrun by tests/test_tp.py: greedy tokens and prefill logits of each checkpoint, sharded.
-Usage: torchrun --nproc_per_node=N tests/tp_worker.py OUT.pt PRECISION:CHECKPOINT [...]"""
+"""Run under torchrun by tests/test_tp.py.
+    torchrun --nproc_per_node=N tests/tp_worker.py OUT.pt PRECISION:CHECKPOINT [...]
+greedy tokens and prefill logits of each checkpoint, sharded;
+    torchrun --nproc_per_node=N tests/tp_worker.py --cli OUT.pt "GENERATE.PY ARGS" ["GENERATE.PY ARGS" ...]
+each rank runs generate.py's command line (the same start-up as the CLI's) with each set of arguments
+and saves what it generated to OUT.pt.RANK."""
 
+import shlex
 import sys
 
 import torch
 
+import generate as gen
 import tp
 from generate import generate, get_tokenizer, load_model
 
@@ -29,7 +35,13 @@ def run_case(checkpoint: str, precision: str, rank: int = 0, world_size: int = 1
     return results
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "--cli":
+    rank, world_size = tp.maybe_init_distributed()
+    out, argvs = sys.argv[2], sys.argv[3:]
+    results = [gen.run(gen.parse_args(shlex.split(argv)), rank, world_size) for argv in argvs]
+    torch.save(results, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+elif __name__ == "__main__":
     rank, world_size = tp.maybe_init_distributed()
     out, cases = sys.argv[1], sys.argv[2:]
     results = {case: run_case(case.split(":", 1)[1], case.split(":", 1)[0], rank, world_size) for case in cases}

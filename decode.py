@@ -1,0 +1,93 @@
+"""The steps of decoding, shared by generate.py and speculative.py: from logits to tokens (sampling),
+prefill, the one-token step, and the cache length both size their caches by.
+
+`compile_steps()` replaces the two steps with compiled ones; callers reach them as `decode.prefill`
+and `decode.decode_one_token`, so that they get whichever is current.
+"""
+
+import torch
+from torch import Tensor
+
+from model import Transformer
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None) -> Tensor:
+    """logits: (B, V) -> probabilities (B, V) after temperature, top-k and nucleus (top-p) filtering.
+    Temperature 0 puts all the mass on the argmax; a tiny one is as good as greedy (no clamp that
+    would flatten near-ties). top_p keeps the smallest set of top tokens whose mass reaches it, and
+    always the top token (so top_p=0 is greedy too)."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    # the max is subtracted first, so that dividing by a tiny temperature cannot overflow to inf - inf
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p; the top one always stays
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None) -> Tensor:
+    """logits: (B, V) -> next tokens (B, 1). Temperature 0 is exact argmax."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    return sample_from(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    """probs: (B, V) -> one draw per row (B, 1). argmax(p / Exp(1)) is a draw from p, without the
+    host sync of torch.multinomial. A token of probability 0 scores 0 whatever the draw (a draw of
+    exactly 0 is raised to the smallest positive float: 0 / 0 would be NaN), and every other token
+    scores more, so a filtered token is never drawn."""
+    exponential = torch.empty_like(probs).exponential_(1).clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / exponential).argmax(-1, keepdim=True)
+
+
+def prefill(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, **sampling) -> Tensor:
+    """idx: (B, T) right-padded prompts; input_pos: (T,); last: (B,) index of each prompt's last token.
+    Fills the cache and returns the first new token of each row, (B, 1)."""
+    logits = model(idx, input_pos)  # (B, T, V)
+    return sample(logits[torch.arange(idx.shape[0], device=idx.device), last], **sampling)
+
+
+def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, **sampling) -> Tensor:
+    """cur_token: (B, 1); input_pos: (B, 1), each row's own position. Returns the next tokens (B, 1)."""
+    logits = model(cur_token, input_pos)  # (B, 1, V)
+    return sample(logits[:, -1], **sampling)
+
+
+def compile_steps(dynamic_prefill: bool = False):
+    """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill for any prompt length.
+    Once per process: they stay compiled for every model."""
+    global decode_one_token, prefill
+    # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
+    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    if dynamic_prefill:
+        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+
+def padded_length(n: int, context: int) -> int:
+    """Cache length for n positions: rounded up to a multiple of 64, so that nearby lengths share one
+    compiled decode graph, but never past the model's context length."""
+    return min((n + 63) // 64 * 64, context)
+
+
+def until_stop(new_tokens: Tensor, stop_ids: list[int] | None) -> Tensor:
+    """new_tokens up to and including the first stop token."""
+    hits = torch.isin(new_tokens, torch.tensor(stop_ids or [])).nonzero()
+    return new_tokens[: hits[0, 0] + 1] if len(hits) else new_tokens
+
+
+def stream(callback, tokens: Tensor, shown: Tensor):
+    """callback(one list of token ids per row): tokens (B, n) of this step, shown (B, n) which of them
+    are the row's text (none once the row has ended)."""
+    callback([row[keep].tolist() for row, keep in zip(tokens.cpu(), shown.cpu())])

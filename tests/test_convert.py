@@ -1,0 +1,189 @@
+"""Hugging Face conversion: what is not implemented is refused with one line and leaves nothing
+behind; what is implemented converts to the same logits; source files are never touched."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from checkpoint import CHECKPOINT_NAME, CONFIG_NAME
+from convert import SUPPORTED, config_from_hf, convert_hf_checkpoint
+from errors import UserError
+from generate import load_model
+
+transformers = pytest.importorskip("transformers")
+
+# small enough that building, saving and converting takes milliseconds
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def tiny(config_name: str, model_name: str, **overrides):
+    """A tiny random-weight HF model, skipping the test where this transformers lacks the classes."""
+    config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}/{model_name}")
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**TINY, **overrides})).eval()
+
+
+def tiny_llama(**overrides):
+    return tiny("LlamaConfig", "LlamaForCausalLM", **overrides)
+
+
+def digests(directory) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def assert_refused(directory, match: str) -> str:
+    """convert_hf_checkpoint raises a one-line UserError matching `match`, and writes nothing."""
+    before = digests(directory)
+    with pytest.raises(UserError, match=match) as info:
+        convert_hf_checkpoint(directory)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert not (directory / CHECKPOINT_NAME).exists()
+    assert not (directory / CONFIG_NAME).exists()
+    assert not list(directory.glob("*.partial"))
+    assert digests(directory) == before  # nothing added, removed or rewritten
+    return message
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. architectures that are not implemented
+
+
+REFUSED = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16), "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16), "Gemma3ForCausalLM"),
+    "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32), "sliding window"),
+}
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_unsupported_architecture_is_refused(family, tmp_path):
+    config_name, model_name, overrides, expected = REFUSED[family]
+    hf = tiny(config_name, model_name, **overrides)
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [model_name]
+    message = assert_refused(tmp_path / "hf", expected)
+    assert expected in message
+    if family != "mistral_sliding_window":
+        assert "supported" in message and all(a in message for a in SUPPORTED.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Mistral without a sliding window is a Llama
+
+
+def test_mistral_without_window_matches_hf(tmp_path):
+    hf = tiny("MistralConfig", "MistralForCausalLM", sliding_window=None, head_dim=16)
+    hf.save_pretrained(tmp_path / "hf")
+    path = convert_hf_checkpoint(tmp_path / "hf")
+    assert path == tmp_path / "hf" / CHECKPOINT_NAME
+    model = load_model(path, "cpu", "fp32")
+    assert model.config.n_local_heads == 2 and model.config.n_layer == 2
+    ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.setup_caches(2, 40)
+        ours = model(ids, torch.arange(40))
+        ref = hf(ids).logits
+    assert ours.shape == ref.shape
+    assert relative_error(ours, ref) <= 1e-4
+
+
+def test_mistral_window_at_least_the_context_converts():
+    """A window as long as the context never acts: that config computes what we compute."""
+    config = tiny("MistralConfig", "MistralForCausalLM", sliding_window=TINY["max_position_embeddings"]
+                  ).config.to_dict()
+    assert config_from_hf(config).block_size == TINY["max_position_embeddings"]
+
+
+def test_mistral_window_is_refused_whatever_use_sliding_window_says(tmp_path):
+    hf = tiny("MistralConfig", "MistralForCausalLM", sliding_window=32, use_sliding_window=False, head_dim=16)
+    hf.save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_sliding_window"] is False
+    assert_refused(tmp_path / "hf", "sliding window")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. a source tensor that would be left out
+
+
+def test_unmapped_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_llama().save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    extra = "model.layers.0.self_attn.q_norm.weight"
+    tensors[extra] = torch.ones(16)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    message = assert_refused(tmp_path / "hf", "have no place")
+    assert repr(extra) in message
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the source files are only read
+
+
+def test_conversion_never_touches_source_files(tmp_path):
+    import quantize
+
+    hf = tiny_llama()
+    directory = tmp_path / "hf"
+    hf.save_pretrained(directory)  # a single model.safetensors
+    source = digests(directory)
+    assert "model.safetensors" in source and "config.json" in source
+
+    path = convert_hf_checkpoint(directory)
+    after = digests(directory)
+    assert path == directory / CHECKPOINT_NAME
+    assert set(after) == set(source) | {CHECKPOINT_NAME, CONFIG_NAME}
+    assert {k: after[k] for k in source} == source
+    first = after
+
+    # our own files beside the HF ones (told by their metadata) are not read as HF shards
+    assert convert_hf_checkpoint(directory) == path
+    assert digests(directory) == first
+
+    quantized = quantize.quantize(path, "int8")
+    assert quantized.parent == directory and quantized.exists()
+    assert convert_hf_checkpoint(directory) == path
+    final = digests(directory)
+    assert set(final) == set(first) | {quantized.name}
+    assert {k: final[k] for k in first} == first
+
+    model = load_model(path, "cpu", "fp32")  # and what was converted is still the HF model
+    ids = torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.setup_caches(1, 16)
+        assert relative_error(model(ids, torch.arange(16)), hf(ids).logits) <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. config settings that change the math
+
+
+MATH_CHANGES = {
+    "attention_bias": (dict(attention_bias=True), "biases"),
+    "mlp_bias": (dict(mlp_bias=True), "biases"),
+    "gelu": (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    "linear_rope_scaling": (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_scaling"),
+}
+
+
+@pytest.mark.parametrize("case", MATH_CHANGES)
+def test_config_that_changes_the_math_is_refused(case, tmp_path):
+    overrides, expected = MATH_CHANGES[case]
+    tiny_llama(**overrides).save_pretrained(tmp_path / "hf")
+    message = assert_refused(tmp_path / "hf", expected)
+    assert "LlamaForCausalLM" in message or case == "linear_rope_scaling"

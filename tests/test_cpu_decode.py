@@ -1,0 +1,53 @@
+"""Compiled CPU decoding computes what eager decoding computes, for every attention variant the model
+has: cpu_decode.py changes the products only, never the attention math around them."""
+
+import pytest
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+import cpu_decode
+from model import ModelArgs, Transformer
+
+# Each variant changes how attention is computed. Add a row with every new one (a soft-cap, a
+# sliding window, another scale): compiled decoding must follow it without a change of its own.
+VARIANTS = {
+    "multi-head": dict(n_head=4, n_local_heads=4),
+    "grouped-query, head_dim != dim / n_head": dict(n_head=4, n_local_heads=2, head_dim=24),
+}
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@torch.no_grad()
+def test_compiled_cpu_decode_equals_a_full_forward(variant):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, block_size=128, **VARIANTS[variant])).eval()
+    ids = torch.randint(0, 64, (2, 24))
+    model.setup_caches(2, 64)
+    reference = model(ids, torch.arange(24))  # one eager forward over every position (SDPA)
+
+    cpu_decode.apply(model)
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(lambda x, pos: model(x, pos), backend=inductor, fullgraph=True, dynamic=False)
+    # rows at different depths: row 0 has 16 tokens of prompt, row 1 has 12
+    depth = torch.tensor([16, 12])
+    model(ids[:, :16], torch.arange(16))
+    for _ in range(6):
+        x = ids[torch.arange(2), depth][:, None]
+        logits = step(x, depth[:, None])[:, 0]  # (B, V)
+        assert relative_error(logits, reference[torch.arange(2), depth]) <= 1e-4
+        eager = model(x, depth[:, None])[:, 0]
+        assert relative_error(logits, eager) <= 1e-4
+        depth = depth + 1
+    # the compiled step took the fused attention products, not PyTorch's kernels (its linears keep
+    # F.linear: the fused one-row form is for one row, and these are two)
+    assert len(graphs) == 1
+    assert not any(op in graphs[0].code for op in ("matmul", "bmm", "scaled_dot_product")), graphs[0].code

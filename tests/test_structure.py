@@ -1,0 +1,51 @@
+"""The house's rooms: imports between the top-level modules run one way, and conversion code stays
+out of the run path."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = {p.stem: p for p in REPO.glob("*.py")}
+
+
+def imports(name: str, lazy: bool = True) -> set[str]:
+    """The top-level modules a module imports (lazy=False: only at module level)."""
+    tree = ast.parse(MODULES[name].read_text())
+    nodes = ast.walk(tree) if lazy else tree.body
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(MODULES) - {name}
+
+
+def reachable(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for other in imports(todo.pop()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = sorted(name for name in MODULES if name in reachable(name))
+    assert not cycles, f"import cycles through {cycles} (lazy imports count)"
+
+
+def test_the_one_way_order():
+    assert imports("model") <= {"errors"}  # the transformer needs nothing of the rest
+    for name in ("speculative", "quantize", "tp", "decode", "cpu_decode", "checkpoint", "convert"):
+        assert "generate" not in reachable(name), name
+    assert "convert" not in imports("checkpoint") | imports("generate", lazy=False) | imports("quantize", lazy=False)
+
+
+def test_running_does_not_load_the_converters():
+    code = "import sys, generate, eval; print('convert' in sys.modules, 'gguf' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["False", "False"], run.stderr
