@@ -14,7 +14,8 @@ reads one row of them).
 Layouts in the file are device-neutral: int8 `weight` (n, k) with `scales` (n,); int4 `weight` uint8
 (n, k/2), two 4-bit values a byte, high nibble first, with `scales` and `mins` (n, k/groupsize),
 where w = q * scale + min. `pack_for_device` chooses each module's kernel for its device once, at
-load, and turns int4 into that kernel's layout. The scheme is recorded in the file's safetensors metadata, never parsed from its name.
+load, and turns int4 into that kernel's layout. The scheme is recorded in the file's safetensors
+metadata, never parsed from its name.
 """
 
 import argparse

@@ -130,9 +130,9 @@ def test_converted_hf_checkpoint_matches_hf(case, tmp_path):
         c, scaling = model.config, model.config.rope_scaling
         wavelengths = 2 * math.pi * c.rope_base ** (torch.arange(0, c.head_dim, 2) / c.head_dim)
         old = scaling["original_max_position_embeddings"]
-        bands = [(wavelengths < old / scaling["high_freq_factor"]).any(),
-                 ((wavelengths >= old / scaling["high_freq_factor"]) & (wavelengths <= old / scaling["low_freq_factor"])).any(),
-                 (wavelengths > old / scaling["low_freq_factor"]).any()]
+        short, long = old / scaling["high_freq_factor"], old / scaling["low_freq_factor"]
+        bands = [(wavelengths < short).any(), ((wavelengths >= short) & (wavelengths <= long)).any(),
+                 (wavelengths > long).any()]
         assert all(bands), wavelengths
         long_ids = torch.randint(0, 320, (1, 300), generator=torch.Generator().manual_seed(2))
         assert_logits_match(model, hf, long_ids, decode_steps=2)

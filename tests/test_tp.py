@@ -67,8 +67,8 @@ def test_the_command_line_under_torchrun(bundled_checkpoint, tmp_path):
                    f"{common} --temperature 0 --draft self-int4")
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"out.pt.{rank}") for rank in range(3)]
-    for rank in ranks[1:]:
-        assert [[o.tolist() for o in outputs] for outputs in rank] == [[o.tolist() for o in outputs] for outputs in ranks[0]]
+    as_lists = [[[o.tolist() for o in outputs] for outputs in rank] for rank in ranks]
+    assert as_lists[1] == as_lists[0] and as_lists[2] == as_lists[0]
     tokenizer = gen.get_tokenizer(checkpoint)
     prompt = torch.tensor(tokenizer.encode_prompt("Tell me a story", chat=True))
     single = gen.generate(gen.load_model(checkpoint, "cpu", "fp32"), prompt, 12, temperature=0,
