@@ -176,7 +176,8 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     if checkpoint_path.suffix != ".safetensors":
         raise UserError(f"{checkpoint_path} is not a checkpoint: give the converted checkpoint's directory "
                         f"({checkpoint_path.parent}) or its {CHECKPOINT_NAME}")
-    if read_metadata(checkpoint_path) and not is_ours(checkpoint_path):
+    metadata = read_metadata(checkpoint_path)  # {} for a file that is not safetensors: the reader says why
+    if metadata and metadata.get("format") != FORMAT:
         raise UserError(f"{checkpoint_path} is not in this library's format (a Hugging Face file?): convert its "
                         f"directory with scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_path.parent}")
     return checkpoint_path

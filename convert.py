@@ -125,6 +125,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     except ValueError as e:
         raise UserError(f"{config_path} is not valid JSON ({e}): download the model again")
     args = config_from_hf(hf_config)
+    name = (hf_config.get("architectures") or [hf_config["model_type"]])[0]
     output = Path(output or checkpoint_dir / CHECKPOINT_NAME)
     source = HFWeights(checkpoint_dir)
 
@@ -145,7 +146,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     unused = [n for n in source.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
               and not (n == "lm_head.weight" and args.tie_embeddings)]
     if unused:
-        raise UserError(f"{len(unused)} tensors of this {hf_config.get('architectures', ['model'])[0]} have no "
+        raise UserError(f"{len(unused)} tensors of this {name} have no "
                         f"place in the model (e.g. {unused[0]!r}): its architecture is not one this library "
                         f"computes")
     write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
