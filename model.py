@@ -15,6 +15,9 @@ from torch import Tensor
 
 from errors import UserError
 
+# positions a forward takes at a time into a sliding-window layer's ring (Transformer.setup_caches)
+PREFILL_CHUNK = 256
+
 
 @dataclass
 class ModelArgs:
@@ -28,17 +31,38 @@ class ModelArgs:
     head_dim: int | None = None
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    rope_scaling: dict | None = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    # RoPE scaling, by rope_type: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings),
+    # "linear" (factor) or "longrope" (short_factor, long_factor, original_max_position_embeddings,
+    # attention_factor)
+    rope_scaling: dict | None = None
     tie_embeddings: bool = False
+    # The variants of the families (convert.py reads them from each config.json); the defaults are Llama.
+    rope_dim: int | None = None  # rotate only the first rope_dim of each head (Phi-4-mini); None: all of it
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # also normalize attention's and the MLP's outputs (Gemma 2 and 3)
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    embedding_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(dim))
+    attention_scale: float | None = None  # scores' scale; None: head_dim ** -0.5
+    attention_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    logit_softcap: float | None = None  # the same, on the output logits
+    sliding_window: int | None = None  # a query at p sees keys at p - window + 1 .. p ...
+    sliding_layers: list[int] | None = None  # ... in these layers (None: every layer)
+    local_rope_base: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_base
 
     def __post_init__(self):
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_head
+        if self.rope_dim is None:
+            self.rope_dim = self.head_dim
         if self.intermediate_size is None:  # Llama's rule: 2/3 of 4*dim, rounded up to a multiple of 256
             hidden = int(2 * 4 * self.dim / 3)
             self.intermediate_size = 256 * math.ceil(hidden / 256)
+        if self.sliding_window is not None and self.sliding_layers is None:
+            self.sliding_layers = list(range(self.n_layer))
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -53,20 +77,27 @@ class ModelArgs:
             raise UserError(f"unknown model name {name!r}; known: {', '.join(transformer_configs)}")
         return cls(**transformer_configs[name])
 
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and layer in self.sliding_layers
+
 
 class KVCache(nn.Module):
-    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype, device=None):
+    """Keys and values by position: position p lives in slot p % length. A full cache has a slot for
+    every position; a sliding-window layer's is a ring of fewer slots, which keeps the last ones."""
+
+    def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None):
         super().__init__()
-        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        shape = (max_batch_size, n_heads, length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # input_pos: (B, T); k, v: (B, T, n_kv, hd). Each row writes at its own positions; what lies
-        # beyond a row's position is stale but masked, and gets overwritten before it becomes visible.
+        # in the other slots is masked by position (attention_mask) until it is overwritten.
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
-        self.k_cache[rows, :, input_pos] = k
-        self.v_cache[rows, :, input_pos] = v
+        slots = input_pos % self.k_cache.shape[2]
+        self.k_cache[rows, :, slots] = k
+        self.v_cache[rows, :, slots] = v
         return self.k_cache, self.v_cache
 
 
@@ -75,64 +106,97 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.chunk = -1
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        """Allocate the static KV cache and the RoPE table for at least max_seq_length positions
-        (a larger cache from before is kept: a new shape would cost compiled code a recompile)."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, chunk: int = PREFILL_CHUNK):
+        """Allocate the static KV cache and the RoPE tables for at least max_seq_length positions
+        (a larger cache from before is kept: a new shape would cost compiled code a recompile).
+
+        A sliding-window layer's cache is a ring of window + chunk slots, and a forward then takes at
+        most `chunk` new positions at a time (longer inputs go through in chunks): each of them may
+        overwrite only positions that no query of this forward or after it can see."""
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
-        if max_batch_size == self.max_batch_size and max_seq_length <= self.max_seq_length:
+        if (max_batch_size, chunk) == (self.max_batch_size, self.chunk) and max_seq_length <= self.max_seq_length:
             return  # big enough; stale entries are masked by position, so the cache needs no clearing
-        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.max_batch_size, self.max_seq_length, self.chunk = max_batch_size, max_seq_length, chunk
         c = self.config
         weight = self.output.weight
         dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim,
-                                               dtype, weight.device)
-        self.register_buffer("rope_cache", rope_cache(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling,
-                                                      device=weight.device).to(dtype), persistent=False)
+        ring = min(max_seq_length, c.sliding_window + chunk) if c.sliding_window else max_seq_length
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length,
+                                               c.n_local_heads, c.head_dim, dtype, weight.device)
+        # the position in each slot, -1 while empty: a full cache's slot s holds position s
+        positions = torch.arange(max_seq_length, device=weight.device).expand(max_batch_size, -1)
+        self.register_buffer("positions", positions, persistent=False)
+        if c.sliding_window:
+            self.register_buffer("ring_positions", torch.full((max_batch_size, ring), -1, device=weight.device),
+                                 persistent=False)
+        global_rope, local_rope = rope_tables(c, max_seq_length, weight.device)
+        self.register_buffer("rope_cache", global_rope.to(dtype), persistent=False)
+        self.register_buffer("local_rope_cache", local_rope.to(dtype), persistent=False)
+        # Gemma multiplies in the model's dtype, its sqrt(dim) rounded to it
+        self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
+                             persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
         Returns logits (B, T, vocab_size)."""
         assert self.max_seq_length > 0, "call setup_caches first"
+        c = self.config
         B, T = idx.shape
         input_pos = input_pos.expand(B, T)
-        mask = causal_mask(input_pos, self.max_seq_length)
-        rope = self.rope_cache[input_pos]  # (B, T, 2 * hd): cos, then sin
-        x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x, input_pos, rope, mask)
-        return self.output(self.norm(x))
+        if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
+            return torch.cat([self(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk])
+                              for i in range(0, T, self.chunk)], dim=1)
+        full = self.rope_cache[input_pos], attention_mask(input_pos, self.positions)  # rope: (B, T, 2 * rope_dim)
+        if c.sliding_window:
+            rows = torch.arange(B, device=idx.device).unsqueeze(1)
+            self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
+            local = self.local_rope_cache[input_pos], attention_mask(input_pos, self.ring_positions, c.sliding_window)
+        x = self.tok_embeddings(idx) * self.embedding_scale
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
+        return softcap(self.output(self.norm(x)), c.logit_softcap)
 
 
-def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:
-    """(B, 1, T, S): a query at position p sees the cache slots 0..p. That is causal within the new
-    tokens, and it hides whatever a longer earlier sequence left behind in the cache."""
-    slots = torch.arange(max_seq_length, device=input_pos.device)
-    return (slots <= input_pos.unsqueeze(-1)).unsqueeze(1)
+def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None) -> Tensor:
+    """(B, 1, T, S): a query at position p sees the keys at positions 0..p (within the window, if any).
+    query_pos: (B, T); key_pos: (B, S) the position held in each cache slot, -1 for none. Being
+    causal by position, the mask also hides whatever a longer earlier sequence left in the cache."""
+    q, k = query_pos.unsqueeze(-1), key_pos.unsqueeze(1)  # (B, T, 1), (B, 1, S)
+    visible = (k >= 0) & (k <= q)
+    if window is not None:
+        visible &= k > q - window
+    return visible.unsqueeze(1)
+
+
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, layer: int):
         super().__init__()
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        norm = lambda: RMSNorm(config.dim, config.norm_eps, config.norm_offset)  # noqa: E731
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.post_attention_norm = norm() if config.sandwich_norms else nn.Identity()
+        self.post_ffn_norm = norm() if config.sandwich_norms else nn.Identity()
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), input_pos, rope, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Attention(nn.Module):
@@ -143,18 +207,24 @@ class Attention(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.softcap = config.attention_softcap
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=False)  # rows: q, then k, then v
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)  # rows: q, then k, then v
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope)  # (B, T, nh, hd)
-        k = apply_rope(k.view(B, T, self.n_local_heads, self.head_dim), rope)  # (B, T, n_kv, hd)
+        q = apply_rope(self.q_norm(q.view(B, T, self.n_head, self.head_dim)), rope)  # (B, T, nh, hd)
+        k = apply_rope(self.k_norm(k.view(B, T, self.n_local_heads, self.head_dim)), rope)  # (B, T, n_kv, hd)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
         y = self.attend(q.transpose(1, 2), k, v, mask)  # (B, nh, T, hd)
@@ -164,14 +234,16 @@ class Attention(nn.Module):
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
-        if T > 1:  # prefill and verify: PyTorch's fused kernel
+        if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=nh != self.n_local_heads)
-        # one query a row (decoding), written out: each k/v head's group of query heads as rows
-        q = q.view(B, self.n_local_heads, nh // self.n_local_heads, hd)  # (B, n_kv, group, hd)
-        scores = self.matmul(q, k.transpose(-1, -2)).float() * self.scale  # (B, n_kv, group, S)
+        # written out (decoding, and soft-capped scores): each k/v head with its group of query heads
+        group = nh // self.n_local_heads
+        q = q.view(B, self.n_local_heads, group, T, hd)
+        k, v, mask = k.unsqueeze(2), v.unsqueeze(2), mask.unsqueeze(2)  # (B, n_kv, 1, S, hd), (B, 1, 1, T, S)
+        scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g, T, S)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-        return self.matmul(probs, v).to(q.dtype).view(B, nh, 1, hd)
+        return self.matmul(probs, v).to(q.dtype).view(B, nh, T, hd)
 
 
 class FeedForward(nn.Module):
@@ -179,31 +251,53 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # rows: gate, then up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.activation = ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.activation(gate) * up)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()  # the mean of squares needs fp32 range and precision
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).type_as(x)
 
 
-def rope_cache(seq_len: int, head_dim: int, base: float, scaling: dict | None = None, device=None) -> Tensor:
-    """cos and sin for every position, (seq_len, 2 * head_dim): [cos | sin], each over head_dim."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
+def rope_tables(config: ModelArgs, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
+    """RoPE's cos and sin for every position, (seq_len, 2 * rope_dim), for the global layers and for
+    the sliding ones (the same table, unless they have a base of their own)."""
+    full = rope_cache(seq_len, config.rope_dim, config.rope_base, config.rope_scaling, device)
+    if config.local_rope_base is None:
+        return full, full
+    return full, rope_cache(seq_len, config.rope_dim, config.local_rope_base, None, device)
+
+
+def rope_cache(seq_len: int, dim: int, base: float, scaling: dict | None = None, device=None) -> Tensor:
+    """cos and sin for every position, (seq_len, 2 * dim): [cos | sin], each over dim."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32).unsqueeze(1)  # (seq_len, 1)
+    rope_type, magnitude = (scaling or {}).get("rope_type", "default"), 1.0
+    if rope_type == "llama3":
         inv_freq = llama3_scale_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    elif rope_type == "linear":  # positions slowed down by `factor`
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "longrope":  # Phi-3: per-frequency factors, one set below the original context, one beyond
+        short, long = (torch.tensor(scaling[k], device=device) for k in ("short_factor", "long_factor"))
+        inv_freq = inv_freq / torch.where(positions < scaling["original_max_position_embeddings"], short, long)
+        magnitude = scaling["attention_factor"]
+    angles = positions * inv_freq  # (seq_len, dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: the two halves share frequencies
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
 
 
 def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
@@ -220,7 +314,10 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # x: (B, T, h, hd); rope: (B, T, 2 * hd)
+    # x: (B, T, h, hd); rope: (B, T, 2 * rope_dim)
+    rope_dim = rope.shape[-1] // 2
+    if rope_dim < x.shape[-1]:  # partial rotary: the rest of each head is not rotated
+        return torch.cat([apply_rope(x[..., :rope_dim], rope), x[..., rope_dim:]], dim=-1)
     cos, sin = rope.unsqueeze(2).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin

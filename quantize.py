@@ -32,7 +32,7 @@ from torch import Tensor
 from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
 from cpu_decode import one_row_product
 from errors import UserError, run_cli
-from model import KVCache, ModelArgs, Transformer, TransformerBlock, causal_mask, rope_cache
+from model import KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
 
 GROUPSIZES = (32, 64, 128, 256)
@@ -90,11 +90,12 @@ class Int8Linear(nn.Module):
     a bf16 matmul of the dequantized weight for many rows (prefill), where the kernel is slower;
     elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
 
-    def __init__(self, in_features: int, out_features: int, dtype=torch.bfloat16, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
         self.kernel = None  # "cpu" or "dequantize" once packed
 
     def pack(self, kernel: str):
@@ -110,13 +111,14 @@ class Int8Linear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
-        return y.to(x.dtype)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
 class Int4Linear(nn.Module):
     """Groupwise int4. Holds the neutral layout until `pack(device)`, then the kernel's layout."""
 
-    def __init__(self, in_features: int, out_features: int, groupsize: int, dtype=torch.bfloat16, device=None):
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
+                 dtype=torch.bfloat16, device=None):
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.padded_in = -(-in_features // groupsize) * groupsize  # k padded to whole groups
@@ -124,6 +126,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, self.padded_in // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
         self.kernel = None  # "cuda", "cpu", or "dequantize" once packed
 
     def pack(self, kernel: str):
@@ -160,6 +163,7 @@ class Int4Linear(nn.Module):
                                                             self.scales_and_zeros)
         else:
             y = F.linear(x.bfloat16(), self.weight_bf16)
+        y = y if self.bias is None else y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
@@ -188,11 +192,11 @@ def swap_linears(model: Transformer, scheme: dict):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        device = old.weight.device
+        device, bias = old.weight.device, old.bias is not None
         if scheme["mode"] == "int8" or name == "output":
-            new = Int8Linear(old.in_features, old.out_features, device=device)
+            new = Int8Linear(old.in_features, old.out_features, bias, device=device)
         else:
-            new = Int4Linear(old.in_features, old.out_features, scheme["groupsize"], device=device)
+            new = Int4Linear(old.in_features, old.out_features, scheme["groupsize"], bias, device=device)
         setattr(parent, child, new)
 
 
@@ -320,7 +324,7 @@ class GPTQ:
         tokens = calibration_tokens(checkpoint_dir, calibration_file, n_samples * seq_len)
         embeddings = source.get_tensor("tok_embeddings.weight").float()
         self.hidden = F.embedding(tokens.view(n_samples, seq_len), embeddings)  # (n_samples, T, dim)
-        self.rope = rope_cache(seq_len, config.head_dim, config.rope_base, config.rope_scaling)
+        self.ropes = rope_tables(config, seq_len)  # for the global layers, for the sliding ones
         self.results, self.layer = {}, -1
 
     def quantize(self, name: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -333,7 +337,7 @@ class GPTQ:
     @torch.no_grad()
     def quantize_layer(self, i: int):
         prefix = f"layers.{i}."
-        block = TransformerBlock(self.config)
+        block = TransformerBlock(self.config, i)
         block.load_state_dict({k: self.source.get_tensor(prefix + k).float() for k in block.state_dict()})
         linears = {prefix + n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
         hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
@@ -345,7 +349,7 @@ class GPTQ:
             return hook
 
         hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
-        self.run(block)
+        self.run(block, i)
         for h in hooks:
             h.remove()
         for name, m in linears.items():
@@ -355,17 +359,19 @@ class GPTQ:
                                              F.pad(hessians[name], (0, padded - w.shape[1]) * 2), self.groupsize)
             self.results[name] = packed, scales, mins
             m.weight.copy_(dequantize_int4(packed, scales, mins)[:, : w.shape[1]])
-        self.hidden = self.run(block)  # the next layer sees this layer's quantized output
+        self.hidden = self.run(block, i)  # the next layer sees this layer's quantized output
         self.layer = i
 
-    def run(self, block: TransformerBlock, batch: int = 8) -> Tensor:
+    def run(self, block: TransformerBlock, layer: int, batch: int = 8) -> Tensor:
         n, T, _ = self.hidden.shape
         c = self.config
         block.attention.kv_cache = KVCache(batch, T, c.n_local_heads, c.head_dim, torch.float32)
+        sliding = c.is_sliding(layer)
+        rope, window = self.ropes[sliding], c.sliding_window if sliding else None
         outputs = []
         for x in self.hidden.split(batch):
-            input_pos = torch.arange(T).expand(x.shape[0], T)
-            outputs.append(block(x, input_pos, self.rope[input_pos], causal_mask(input_pos, T)))
+            input_pos = torch.arange(T).expand(x.shape[0], T)  # also the position in each cache slot
+            outputs.append(block(x, input_pos, rope[input_pos], attention_mask(input_pos, input_pos, window)))
         return torch.cat(outputs)
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import decode
 from errors import UserError
-from model import Transformer
+from model import PREFILL_CHUNK, Transformer
 
 
 class Drafter:
@@ -49,11 +49,10 @@ class DraftModel(Drafter):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
-        self.model.setup_caches(max_batch_size=tokens.shape[0], max_seq_length=cache_length)
+        self.model.setup_caches(tokens.shape[0], cache_length, target.chunk)
         self.last_position = cache_length - 1
         T = int(prompt_lengths.max())
-        decode.prefill(self.model, tokens[:, :T], torch.arange(T, device=tokens.device), prompt_lengths - 1,
-                       **sampling)
+        decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
 
     def propose(self, tokens, lengths, k, **sampling):
         """The first step feeds the last two tokens of the text: the one before the last may not be in
@@ -106,7 +105,7 @@ class PromptLookup(Drafter):
 def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_tokens: int, drafter: Drafter, *,
                          speculate_k: int = 5, temperature: float = 0.0, top_k: int | None = None,
                          top_p: float | None = None, stop_ids: list[int] | None = None, callback=None,
-                         stats: dict | None = None) -> list[Tensor]:
+                         stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
     receives the counts of accepted drafts per row and round."""
     if not isinstance(drafter, Drafter):
@@ -120,7 +119,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     # the plain cache: a verify step's positions past it are clamped to its last slot, since they
     # only ever hold drafts beyond the requested length
     cache_length = decode.padded_length(T + max_new_tokens, model.config.block_size)
-    model.setup_caches(max_batch_size=B, max_seq_length=cache_length)
+    if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
+        raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
+    model.setup_caches(B, cache_length, prefill_chunk)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     # tokens: every row's text so far, right-padded, with room for a round's k + 1 tokens past the
@@ -128,8 +129,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     tokens = torch.zeros(B, cache_length + k + 1, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p.to(device)
-    cur = decode.prefill(model, tokens[:, :T], torch.arange(T, device=device), prompt_lengths - 1,
-                         **sampling).clone()  # (B, 1)
+    cur = decode.prefill(model, tokens[:, :T], prompt_lengths, **sampling).clone()  # (B, 1)
     drafter.start(model, tokens, prompt_lengths, cache_length, **sampling)
     rows = torch.arange(B, device=device)
     tokens[rows, prompt_lengths] = cur[:, 0]

@@ -108,7 +108,7 @@ def hf_model_from(model: Transformer):
         hf = transformers.LlamaForCausalLM(hf_config)
     # the inverse of our conversion: each of our tensors split into the HF tensors it was made of
     state, ours, sizes = {"lm_head.weight": model.output.weight}, model.state_dict(), fused_parts(c)
-    for name, parts in hf_names(c).items():
+    for name, parts in hf_names(c, ()).items():
         state.update(zip(parts, ours[name].split(sizes.get(".".join(name.split(".")[2:4]), [len(ours[name])]))))
     hf.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
     with torch.device(weight.device):  # its buffers were made on meta

@@ -59,11 +59,9 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 REFUSED = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), "Qwen3ForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16), "Gemma2ForCausalLM"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16), "Gemma3ForCausalLM"),
-    "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32), "sliding window"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16), "GemmaForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}, "PhiForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_attention_heads=4), "GPTNeoXForCausalLM"),
 }
 
 
@@ -76,8 +74,7 @@ def test_unsupported_architecture_is_refused(family, tmp_path):
     assert config["architectures"] == [model_name]
     message = assert_refused(tmp_path / "hf", expected)
     assert expected in message
-    if family != "mistral_sliding_window":
-        assert "supported" in message and all(a in message for a in SUPPORTED.values())
+    assert "supported" in message and all(a in message for a in SUPPORTED.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,11 +104,13 @@ def test_mistral_window_at_least_the_context_converts():
     assert config_from_hf(config).block_size == TINY["max_position_embeddings"]
 
 
-def test_mistral_window_is_refused_whatever_use_sliding_window_says(tmp_path):
-    hf = tiny("MistralConfig", "MistralForCausalLM", sliding_window=32, use_sliding_window=False, head_dim=16)
-    hf.save_pretrained(tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_sliding_window"] is False
-    assert_refused(tmp_path / "hf", "sliding window")
+def test_mistral_window_acts_whatever_use_sliding_window_says(tmp_path):
+    """Mistral's modeling code applies sliding_window whenever it is set (unlike Qwen's)."""
+    config = tiny("MistralConfig", "MistralForCausalLM", sliding_window=32, use_sliding_window=False,
+                  head_dim=16).config.to_dict()
+    assert config["use_sliding_window"] is False
+    args = config_from_hf(config)
+    assert args.sliding_window == 32 and args.sliding_layers == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +175,8 @@ def test_conversion_never_touches_source_files(tmp_path):
 MATH_CHANGES = {
     "attention_bias": (dict(attention_bias=True), "biases"),
     "mlp_bias": (dict(mlp_bias=True), "biases"),
-    "gelu": (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    "linear_rope_scaling": (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_scaling"),
+    "gelu": (dict(hidden_act="gelu"), "activation 'gelu'"),
+    "yarn_rope_scaling": (dict(rope_scaling=dict(rope_type="yarn", factor=2.0)), "rope_scaling"),
 }
 
 
@@ -186,4 +185,4 @@ def test_config_that_changes_the_math_is_refused(case, tmp_path):
     overrides, expected = MATH_CHANGES[case]
     tiny_llama(**overrides).save_pretrained(tmp_path / "hf")
     message = assert_refused(tmp_path / "hf", expected)
-    assert "LlamaForCausalLM" in message or case == "linear_rope_scaling"
+    assert "LlamaForCausalLM" in message or case == "yarn_rope_scaling"

@@ -8,11 +8,27 @@ from torch._inductor.compile_fx import compile_fx
 import cpu_decode
 from model import ModelArgs, Transformer
 
-# Each variant changes how attention is computed. Add a row with every new one (a soft-cap, a
-# sliding window, another scale): compiled decoding must follow it without a change of its own.
+# Each variant changes what a decode step computes. Add a row with every new one: compiled decoding
+# must follow it without a change of its own. The windows of 6 live in rings of 6 + CHUNK slots,
+# which the 22 positions below wrap.
+CHUNK = 4
+GQA = dict(n_head=4, n_local_heads=2)
 VARIANTS = {
     "multi-head": dict(n_head=4, n_local_heads=4),
-    "grouped-query, head_dim != dim / n_head": dict(n_head=4, n_local_heads=2, head_dim=24),
+    "grouped-query, head_dim != dim / n_head": dict(GQA, head_dim=24),
+    "Qwen2: q/k/v biases, one sliding layer": dict(GQA, qkv_bias=True, sliding_window=6, sliding_layers=[1]),
+    "Qwen3: q/k norms": dict(GQA, head_dim=24, qk_norm=True),
+    "Mistral: every layer sliding": dict(GQA, sliding_window=6),
+    "Gemma 2: soft-caps, sandwich norms, GeGLU, scales": dict(
+        GQA, norm_offset=1.0, sandwich_norms=True, activation="gelu_tanh", embedding_scale=48 ** 0.5,
+        attention_scale=0.2, attention_softcap=5.0, logit_softcap=3.0, sliding_window=6, sliding_layers=[0]),
+    "Gemma 3: q/k norms, local RoPE base, linear scaling": dict(
+        GQA, norm_offset=1.0, sandwich_norms=True, qk_norm=True, sliding_window=6, sliding_layers=[0],
+        local_rope_base=100.0, rope_scaling=dict(rope_type="linear", factor=4.0)),
+    "Phi-3: partial rotary, longrope": dict(
+        GQA, rope_dim=8, sliding_window=6, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 4.0, 5.0, 6.0],
+            original_max_position_embeddings=20, attention_factor=1.1)),
 }
 
 
@@ -26,8 +42,8 @@ def test_compiled_cpu_decode_equals_a_full_forward(variant):
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, block_size=128, **VARIANTS[variant])).eval()
     ids = torch.randint(0, 64, (2, 24))
-    model.setup_caches(2, 64)
-    reference = model(ids, torch.arange(24))  # one eager forward over every position (SDPA)
+    model.setup_caches(2, 64, chunk=CHUNK)
+    reference = model(ids, torch.arange(24))  # one eager forward over every position, CHUNK at a time
 
     cpu_decode.apply(model)
     graphs = []

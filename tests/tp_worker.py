@@ -3,7 +3,10 @@
 greedy tokens and prefill logits of each checkpoint, sharded;
     torchrun --nproc_per_node=N tests/tp_worker.py --cli OUT.pt "GENERATE.PY ARGS" ["GENERATE.PY ARGS" ...]
 each rank runs generate.py's command line (the same start-up as the CLI's) with each set of arguments
-and saves what it generated to OUT.pt.RANK."""
+and saves what it generated to OUT.pt.RANK;
+    torchrun --nproc_per_node=N tests/tp_worker.py --ids OUT.pt CHECKPOINT [...]
+prefill logits and greedy tokens of checkpoints without a tokenizer (tests/test_families.py), from
+random token ids, through sliding-window rings that wrap."""
 
 import shlex
 import sys
@@ -35,11 +38,25 @@ def run_case(checkpoint: str, precision: str, rank: int = 0, world_size: int = 1
     return results
 
 
-if __name__ == "__main__" and sys.argv[1] == "--cli":
+@torch.no_grad()
+def run_ids_case(checkpoint: str, rank: int = 0, world_size: int = 1) -> dict:
+    model = load_model(checkpoint, "cpu", "fp32", rank, world_size)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(8))
+    model.setup_caches(1, 64, chunk=8)
+    logits = model(prompt[None], torch.arange(40))[0]
+    tokens = generate(model, prompt, 24, temperature=0, prefill_chunk=8)[40:].tolist()
+    return {"local_heads": model.layers[0].attention.n_head, "logits": logits, "tokens": tokens}
+
+
+if __name__ == "__main__" and sys.argv[1] in ("--cli", "--ids"):
     rank, world_size = tp.maybe_init_distributed()
-    out, argvs = sys.argv[2], sys.argv[3:]
-    results = [gen.run(gen.parse_args(shlex.split(argv)), rank, world_size) for argv in argvs]
-    torch.save(results, f"{out}.{rank}")
+    out, args = sys.argv[2], sys.argv[3:]
+    if sys.argv[1] == "--cli":
+        torch.save([gen.run(gen.parse_args(shlex.split(argv)), rank, world_size) for argv in args], f"{out}.{rank}")
+    elif rank == 0:
+        torch.save({path: run_ids_case(path, rank, world_size) for path in args}, out)
+    else:
+        [run_ids_case(path, rank, world_size) for path in args]
     torch.distributed.destroy_process_group()
 elif __name__ == "__main__":
     rank, world_size = tp.maybe_init_distributed()
