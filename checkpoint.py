@@ -165,7 +165,8 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
 
 
 def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
-    """The checkpoint file a user means: a directory means its fastllama.safetensors."""
+    """The checkpoint file a user means: a directory means its fastllama.safetensors, and so does a
+    Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted)."""
     checkpoint_path = Path(checkpoint_path)
     if checkpoint_path.is_dir():
         checkpoint_path = checkpoint_path / CHECKPOINT_NAME
@@ -177,6 +178,9 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
         raise UserError(f"{checkpoint_path} is not a checkpoint: give the converted checkpoint's directory "
                         f"({checkpoint_path.parent}) or its {CHECKPOINT_NAME}")
     metadata = read_metadata(checkpoint_path)  # {} for a file that is not safetensors: the reader says why
+    converted = checkpoint_path.parent / CHECKPOINT_NAME
+    if metadata and metadata.get("format") != FORMAT and converted.is_file():
+        return resolve_checkpoint(converted)
     if metadata and metadata.get("format") != FORMAT:
         raise UserError(f"{checkpoint_path} is not in this library's format (a Hugging Face file?): convert its "
                         f"directory with scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_path.parent}")

@@ -253,7 +253,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     if args.interactive:
         return chat(model, tokenizer, args.max_new_tokens, sampling)
 
-    use_chat = tokenizer.chat_format is not None if args.chat is None else args.chat
+    use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
     stop_ids = [] if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = weight_bytes_per_token(model)
@@ -334,7 +334,7 @@ def profiler(path: str):
 
 def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict):
     """A multi-turn chat in the model's template, printing tokens as they come."""
-    if tokenizer.chat_format is None:
+    if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
     messages = []
     while True:

@@ -1,8 +1,11 @@
-"""Tokenizers from the Hugging Face files in a checkpoint directory, and chat prompt formats."""
+"""Tokenizers from the Hugging Face files in a checkpoint directory, and chat prompts: rendered from
+the checkpoint's own chat template (Jinja, sandboxed, as transformers renders it), or for checkpoints
+that ship none, in a hand-written Llama 2, Llama 3 or ChatML format told by the vocabulary."""
 
 import importlib
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from model import UserError
@@ -17,7 +20,10 @@ LLAMA3_SPECIAL_TOKENS = [
 ]
 LLAMA3_SPECIAL_TOKENS += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIAL_TOKENS))]
 
-END_OF_TURN = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>"}
+END_OF_TURN = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>"}  # of the hand-written formats
+# The markers that end a turn in the families' templates (Llama 3, ChatML, Gemma, Phi-3): where a template
+# writes one, generation stops at it too, as at the end-of-text token.
+TURN_ENDS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
 
 
 def _import(module: str):
@@ -47,6 +53,9 @@ class _HFTokenizers:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    def id_to_token(self, i: int) -> str:
+        return self.tok.id_to_token(i)
+
 
 class _SentencePiece:
     def __init__(self, sp):
@@ -71,6 +80,9 @@ class _SentencePiece:
     def token_to_id(self, token: str) -> int | None:
         i = self.sp.piece_to_id(token)  # unknown pieces map to the unk id
         return i if self.sp.id_to_piece(i) == token else None
+
+    def id_to_token(self, i: int) -> str:
+        return self.sp.id_to_piece(i)
 
 
 class _Tiktoken:
@@ -98,6 +110,9 @@ class _Tiktoken:
     def token_to_id(self, token: str) -> int | None:
         return self.special_tokens.get(token)  # only special tokens are looked up by name
 
+    def id_to_token(self, i: int) -> str:
+        return self.enc.decode_single_token_bytes(i).decode("utf-8", errors="replace")
+
 
 def _load_tokenizer_model(path: Path):
     sp = _import("sentencepiece").SentencePieceProcessor()
@@ -108,30 +123,44 @@ def _load_tokenizer_model(path: Path):
     return _SentencePiece(sp)
 
 
-def chat_format_from_template(template: str | None) -> str | None:
-    markers = {"<|start_header_id|>": "llama3", "<|im_start|>": "chatml", "[INST]": "llama2"}
-    return next((chat_format for marker, chat_format in markers.items() if marker in (template or "")), None)
+def render_chat_template(template: str, messages: list[dict], special_tokens: dict[str, str]) -> str:
+    """The prompt text of a dialog, ending with the assistant's turn opened, as transformers'
+    apply_chat_template renders it: a sandboxed Jinja environment with the same options and helpers."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    def raise_exception(message):
+        raise TemplateError(message)
 
-def _default_system(template: str | None) -> str | None:
-    """The system message a ChatML template inserts when the dialog has none (SmolLM2, Qwen2)."""
-    # Matches '<|im_start|>system\n...<|im_end|>' written as one Jinja string literal;
-    # the \n is a real newline or a Jinja escape, depending on how the template was saved.
-    match = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]+?)<\|im_end\|>", template or "")
-    return match.group(1) if match else None
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+    except TemplateError as e:
+        raise UserError(f"the checkpoint's chat template cannot render this dialog: {e}") from None
 
 
 class Tokenizer:
     def __init__(self, backend, bos_id: int | None, eos_id: int, stop_ids: list[int], add_bos: bool,
-                 chat_format: str | None, default_system: str | None = None):
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 chat_format: str | None = None):
         self.backend = backend
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.stop_ids = stop_ids
         self.add_bos = add_bos
-        self.chat_format = chat_format
-        self.default_system = default_system
+        self.chat_template = chat_template  # Jinja, from the checkpoint
+        self.special_tokens = special_tokens or {}  # bos_token, eos_token...: what the template may write
+        self.chat_format = chat_format  # "llama3" or "chatml", for a checkpoint without a template
         self.vocab_size = backend.vocab_size
+
+    @property
+    def can_chat(self) -> bool:
+        return self.chat_template is not None or self.chat_format is not None
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text)
@@ -149,35 +178,19 @@ class Tokenizer:
         return self._bos() + self.encode(text)
 
     def encode_dialog(self, messages: list[dict]) -> list[int]:
-        """Messages as the chat template lays them out, ending with the assistant's turn opened."""
-        if self.chat_format == "llama2":
-            return self._llama2_dialog(messages)
+        """Messages as the chat template lays them out, ending with the assistant's turn opened. Special
+        tokens come from the rendered text (a template writes its BOS itself), as in transformers."""
+        if self.chat_template is not None:
+            return self.encode(render_chat_template(self.chat_template, messages, self.special_tokens))
         if self.chat_format == "llama3":
             text = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
                            for m in messages)
             return self._bos() + self.encode(text + "<|start_header_id|>assistant<|end_header_id|>\n\n")
         if self.chat_format == "chatml":
-            if self.default_system is not None and (not messages or messages[0]["role"] != "system"):
-                messages = [{"role": "system", "content": self.default_system}] + messages
             text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return self._bos() + self.encode(text + "<|im_start|>assistant\n")
         raise UserError("this model has no chat format (no chat_template in tokenizer_config.json): "
                         "prompt it as plain text, without chat")
-
-    def _llama2_dialog(self, messages: list[dict]) -> list[int]:
-        # As Meta's llama reference code: the system prompt is folded into the first user message,
-        # and each finished exchange is its own BOS ... EOS sequence.
-        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
-        turns = messages[1:] if system is not None else messages
-        if [m["role"] for m in turns] != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
-            raise UserError("Llama 2 chat needs user and assistant messages in turn, ending with a user message")
-        contents = [m["content"] for m in turns]
-        if system is not None:
-            contents[0] = f"<<SYS>>\n{system}\n<</SYS>>\n\n{contents[0]}"
-        ids = []
-        for user, answer in zip(contents[::2], contents[1::2]):
-            ids += self._bos() + self.encode(f"[INST] {user.strip()} [/INST] {answer.strip()} ") + [self.eos_id]
-        return ids + self._bos() + self.encode(f"[INST] {contents[-1].strip()} [/INST]")
 
     def _bos(self) -> list[int]:
         return [self.bos_id] if self.add_bos else []
@@ -223,13 +236,17 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if template is None and (directory / "chat_template.jinja").is_file():
         template = (directory / "chat_template.jinja").read_text()
-    if template:
-        chat_format = chat_format_from_template(template)
-    else:  # guess from the vocabulary's chat markers ("[INST]" is plain text to Llama 2, so it can't tell)
-        markers = {"<|start_header_id|>": "llama3", "<|im_start|>": "chatml"}
+    chat_format = None
+    if not template:  # guess from the vocabulary's chat markers ("[INST]" is plain text to Llama 2, so it can't tell)
+        template, markers = None, {"<|start_header_id|>": "llama3", "<|im_start|>": "chatml"}
         chat_format = next((fmt for marker, fmt in markers.items() if backend.token_to_id(marker) is not None), None)
 
-    end_of_turn = _token_id(backend, END_OF_TURN.get(chat_format))
-    stop_ids = [eos_id] + ([end_of_turn] if end_of_turn is not None else []) + generation_eos
-    return Tokenizer(backend, bos_id, eos_id, list(dict.fromkeys(stop_ids)), add_bos, chat_format,
-                     _default_system(template) if chat_format == "chatml" else None)
+    turn_ends = [m for m in TURN_ENDS if m in (template or END_OF_TURN.get(chat_format, ""))]
+    stop_ids = [eos_id] + [_token_id(backend, m) for m in turn_ends] + generation_eos
+    special_tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                      if k.endswith("_token") and isinstance(v, (str, dict))}
+    special_tokens.setdefault("eos_token", backend.id_to_token(eos_id))
+    if bos_id is not None:
+        special_tokens.setdefault("bos_token", backend.id_to_token(bos_id))
+    return Tokenizer(backend, bos_id, eos_id, list(dict.fromkeys(i for i in stop_ids if i is not None)), add_bos,
+                     template, special_tokens, chat_format)

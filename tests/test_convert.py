@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from checkpoint import CHECKPOINT_NAME, CONFIG_NAME
+from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, resolve_checkpoint
 from convert import SUPPORTED, config_from_hf, convert_hf_checkpoint
 from errors import UserError
 from generate import load_model
@@ -143,7 +143,10 @@ def test_conversion_never_touches_source_files(tmp_path):
     source = digests(directory)
     assert "model.safetensors" in source and "config.json" in source
 
+    with pytest.raises(UserError, match="convert its directory"):
+        resolve_checkpoint(directory / "model.safetensors")
     path = convert_hf_checkpoint(directory)
+    assert resolve_checkpoint(directory / "model.safetensors") == path  # the HF file, once converted, means ours
     after = digests(directory)
     assert path == directory / CHECKPOINT_NAME
     assert set(after) == set(source) | {CHECKPOINT_NAME, CONFIG_NAME}

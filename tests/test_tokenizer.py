@@ -7,7 +7,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from errors import UserError
-from tokenizer import chat_format_from_template, load_tokenizer
+from tokenizer import load_tokenizer
 
 TEXT = [line for topic in topics.values() for line in topic.splitlines() if line.strip()][:800]
 MIXED = "Hello, world! The 3 quick foxes: naïve café, 日本語 🙂\n\tindented  two  spaces "
@@ -38,18 +38,17 @@ SMOLLM2_TEMPLATE = (  # HuggingFaceTB/SmolLM2-135M-Instruct
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-QWEN25_TEMPLATE = (  # Qwen/Qwen2.5-0.5B-Instruct, its tools branch cut short
-    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
-    "{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+QWEN25_TEMPLATE = (  # Qwen/Qwen2.5-0.5B-Instruct, without its tools branches
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n{%- else %}\n"
+    "    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n{%- endif %}\n{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\") %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
 )
-LLAMA31_SNIPPET = "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n{%- if builtin_tools is defined %}"
-MISTRAL_SNIPPET = "{{ bos_token }}{% for message in messages %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-GEMMA_SNIPPET = "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
 
 DIALOG = [
     {"role": "user", "content": "Hi there"},
@@ -146,7 +145,7 @@ def test_sentencepiece(tmp_path, sentencepiece_model):
 def test_llama2_chat(tmp_path, sentencepiece_model):
     config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": LLAMA2_TEMPLATE}
     tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model, tokenizer_config=config))
-    assert tok.chat_format == "llama2" and tok.stop_ids == [2]
+    assert tok.chat_template == LLAMA2_TEMPLATE and tok.stop_ids == [2]
 
     ids = tok.encode_prompt("Hi there ", chat=True, system="Be brief.")
     assert ids == [1] + tok.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi there [/INST]")
@@ -158,8 +157,8 @@ def test_llama2_chat(tmp_path, sentencepiece_model):
     first = [1] + tok.encode("[INST] Hi there [/INST] Hello! How can I help? ") + [2]
     assert ids == first + [1] + tok.encode("[INST] Tell me a joke. [/INST]")
     assert ids == tok.encode(render(LLAMA2_TEMPLATE, DIALOG, bos_token="<s>", eos_token="</s>"))
-    with pytest.raises(UserError, match="in turn"):
-        tok.encode_dialog(DIALOG[:2])
+    with pytest.raises(UserError, match="chat template cannot render this dialog: Conversation roles must alternate"):
+        tok.encode_dialog(DIALOG[1:])
 
 
 def test_tiktoken_llama3(tmp_path, tiktoken_model):
@@ -200,7 +199,8 @@ def test_chatml_smollm2(tmp_path, hf_tokenizer_json):
     tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
     im_start, im_end = tok.encode("<|im_start|><|im_end|>")
     assert (im_start, im_end) == (1, 2)
-    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos, tok.chat_format) == (1, 2, [2], False, "chatml")
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos) == (1, 2, [2], False)
+    assert (tok.chat_template, tok.chat_format) == (SMOLLM2_TEMPLATE, None)
     assert tok.vocab_size == 400
 
     ids = tok.encode(MIXED)
@@ -233,17 +233,15 @@ def test_chatml_without_tokenizer_config(tmp_path, hf_tokenizer_json):
         load_tokenizer(checkpoint(tmp_path / "no_eos", hf_tokenizer_json))
 
 
-def test_default_system_message_from_template(tmp_path, hf_tokenizer_json):
-    config = {"eos_token": "<|im_end|>", "chat_template": QWEN25_TEMPLATE}
-    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
-    assert tok.chat_format == "chatml"
-    assert tok.default_system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-
-    # Newer transformers save the template to chat_template.jinja instead.
-    (tmp_path / "tokenizer_config.json").unlink()
-    (tmp_path / "chat_template.jinja").write_text(SMOLLM2_TEMPLATE)
-    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, generation_config={"eos_token_id": 2}))
-    assert tok.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+def test_template_from_chat_template_jinja(tmp_path, hf_tokenizer_json):
+    """Qwen2.5's template writes its default system message; newer transformers save the template to
+    chat_template.jinja rather than into tokenizer_config.json."""
+    (tmp_path / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config={"eos_token": "<|im_end|>"}))
+    assert tok.chat_template == QWEN25_TEMPLATE
+    text = tok.backend.tok.decode(tok.encode_dialog(DIALOG), skip_special_tokens=False)
+    assert text == render(QWEN25_TEMPLATE, DIALOG)
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
 
 
 def test_bos_from_tokenizer_json_post_processor(tmp_path, hf_tokenizer_json):
@@ -267,19 +265,12 @@ def test_tokenizer_json_preferred(tmp_path, hf_tokenizer_json, sentencepiece_mod
     assert tok.encode("<|im_start|>") == [1]
 
 
-@pytest.mark.parametrize("template, chat_format", [
-    (LLAMA2_TEMPLATE, "llama2"),
-    (MISTRAL_SNIPPET, "llama2"),
-    (LLAMA3_TEMPLATE, "llama3"),
-    (LLAMA31_SNIPPET, "llama3"),
-    (SMOLLM2_TEMPLATE, "chatml"),
-    (QWEN25_TEMPLATE, "chatml"),
-    (GEMMA_SNIPPET, None),
-    ("", None),
-    (None, None),
-])
-def test_chat_format_from_template(template, chat_format):
-    assert chat_format_from_template(template) == chat_format
+def test_a_template_that_does_not_render_is_one_line(tmp_path, hf_tokenizer_json):
+    config = {"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}{{ m.content | nosuchfilter }}"}
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
+    with pytest.raises(UserError, match="chat template cannot render") as error:
+        tok.encode_prompt("Hi", chat=True)
+    assert "\n" not in str(error.value)
 
 
 def test_missing_tokenizer(tmp_path):
@@ -303,3 +294,78 @@ def test_missing_optional_library(tmp_path, monkeypatch, request, module, fixtur
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(UserError, match=f"pip install {module}"):
         load_tokenizer(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each family's kind of tokenizer.json and chat template, against transformers' AutoTokenizer
+
+GEMMA_TEMPLATE = (  # google/gemma-2-2b-it
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+PHI3_TEMPLATE = (  # microsoft/Phi-3-mini-4k-instruct
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+MULTILINGUAL = MIXED + " Ceci est un texte français. Привет, мир! مرحبا بالعالم. 中文文本。 Ελληνικά 😀👍🏽 ₂∑"
+TOKENIZER_KINDS = {  # transformers' class for the family's tokenizer.json, its special tokens, its template
+    "qwen (byte-level BPE)": ("Qwen2Tokenizer", dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                              ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN25_TEMPLATE, "<|im_end|>"),
+    "gemma (SentencePiece-style BPE)": ("GemmaTokenizer", {}, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
+                                                               "<start_of_turn>", "<end_of_turn>"],
+                                        GEMMA_TEMPLATE, "<end_of_turn>"),
+    "phi-3 / mistral (SentencePiece-style BPE)": ("LlamaTokenizer", {}, ["<unk>", "<s>", "</s>", "<|user|>",
+                                                                         "<|assistant|>", "<|system|>", "<|end|>"],
+                                                  PHI3_TEMPLATE, "<|end|>"),
+}
+
+
+@pytest.fixture(scope="module", params=TOKENIZER_KINDS)
+def family_tokenizer(request, tmp_path_factory):
+    """(our tokenizer, transformers' AutoTokenizer, end-of-turn token) of a checkpoint directory that
+    transformers itself wrote: a BPE trained here on Python's docs, in the family's pipeline."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+
+    class_name, tokens, specials, template, end_of_turn = TOKENIZER_KINDS[request.param]
+    cls = getattr(transformers, class_name)
+    pipeline = json.loads(cls(**tokens)._tokenizer.to_str())  # the family's normalizer, pre-tokenizer, decoder
+    pipeline["added_tokens"] = []
+    backend = Tokenizer.from_str(json.dumps(pipeline))
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if class_name == "Qwen2Tokenizer" else []
+    backend.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                          initial_alphabet=alphabet, show_progress=False))
+    model = json.loads(backend.to_str())["model"]
+    vocab = model["vocab"]
+    if model.get("byte_fallback"):  # SentencePiece-style: unknown characters become their UTF-8 bytes
+        vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    hf = cls(vocab=vocab, merges=merges, **tokens)
+    hf.add_special_tokens({"additional_special_tokens": [t for t in specials if t not in hf.all_special_tokens]})
+    hf.chat_template = template
+    directory = tmp_path_factory.mktemp(class_name)
+    hf.save_pretrained(directory)
+    return load_tokenizer(directory), transformers.AutoTokenizer.from_pretrained(directory), end_of_turn
+
+
+def test_family_tokenizer_matches_transformers(family_tokenizer):
+    ours, hf, end_of_turn = family_tokenizer
+    assert ours.encode(MULTILINGUAL) == hf.encode(MULTILINGUAL, add_special_tokens=False)
+    assert ours.encode_prompt(MULTILINGUAL) == hf(MULTILINGUAL)["input_ids"]  # BOS as the checkpoint says
+    assert ours.decode(ours.encode(MULTILINGUAL)) == hf.decode(hf.encode(MULTILINGUAL), skip_special_tokens=True)
+    assert ours.backend.token_to_id(end_of_turn) in ours.stop_ids and ours.eos_id in ours.stop_ids
+
+
+def test_family_chat_prompts_match_apply_chat_template(family_tokenizer):
+    ours, hf, _ = family_tokenizer
+    for messages in (DIALOG, DIALOG[:1]):
+        expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ours.encode_dialog(messages) == list(expected)
+    assert ours.encode_prompt("Hi", chat=True) == list(hf.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False))
