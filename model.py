@@ -329,6 +329,16 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
 _llama31_rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=8192, rope_type="llama3")
 _llama32_rope = dict(_llama31_rope, factor=32.0)
+
+
+def _gemma(n_layer: int, dim: int, local_every: int, **kw) -> dict:
+    """Gemma's shared settings; every local_every-th layer global, the others sliding."""
+    return dict(kw, n_layer=n_layer, dim=dim, head_dim=256, norm_eps=1e-6, norm_offset=1.0, sandwich_norms=True,
+                activation="gelu_tanh", embedding_scale=dim ** 0.5, attention_scale=256 ** -0.5, tie_embeddings=True,
+                sliding_layers=[i for i in range(n_layer) if (i + 1) % local_every])
+
+
+_qwen = dict(rope_base=1e6, norm_eps=1e-6)
 transformer_configs = {
     "Llama-2-7B": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
     "Llama-2-13B": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
@@ -359,4 +369,28 @@ transformer_configs = {
                          intermediate_size=2560, rope_base=100000.0, tie_embeddings=True),
     "SmolLM2-1.7B": dict(block_size=8192, vocab_size=49152, n_layer=24, n_head=32, dim=2048, n_local_heads=32,
                          intermediate_size=8192, rope_base=130000.0, tie_embeddings=True),
+    "Qwen2.5-0.5B": dict(_qwen, block_size=32768, vocab_size=151936, n_layer=24, n_head=14, dim=896, n_local_heads=2,
+                         intermediate_size=4864, qkv_bias=True, tie_embeddings=True),
+    "Qwen2.5-7B": dict(_qwen, block_size=32768, vocab_size=152064, n_layer=28, n_head=28, dim=3584, n_local_heads=4,
+                       intermediate_size=18944, qkv_bias=True),
+    "Qwen3-0.6B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=28, n_head=16, dim=1024, n_local_heads=8,
+                       head_dim=128, intermediate_size=3072, qk_norm=True, tie_embeddings=True),
+    "Qwen3-8B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=36, n_head=32, dim=4096, n_local_heads=8,
+                     head_dim=128, intermediate_size=12288, qk_norm=True),
+    "Mistral-7B-v0.1": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
+                            intermediate_size=14336, sliding_window=4096),
+    "Mistral-Nemo-12B": dict(block_size=1024000, vocab_size=131072, n_layer=40, n_head=32, dim=5120, n_local_heads=8,
+                             head_dim=128, intermediate_size=14336, rope_base=1e6),
+    "Gemma-2-2B": _gemma(26, 2304, 2, block_size=8192, vocab_size=256000, n_head=8, n_local_heads=4,
+                         intermediate_size=9216, sliding_window=4096, attention_softcap=50.0, logit_softcap=30.0),
+    "Gemma-2-9B": _gemma(42, 3584, 2, block_size=8192, vocab_size=256000, n_head=16, n_local_heads=8,
+                         intermediate_size=14336, sliding_window=4096, attention_softcap=50.0, logit_softcap=30.0),
+    "Gemma-3-1B": _gemma(26, 1152, 6, block_size=32768, vocab_size=262144, n_head=4, n_local_heads=1,
+                         intermediate_size=6912, sliding_window=512, qk_norm=True, rope_base=1e6,
+                         local_rope_base=10000.0),
+    "Gemma-3-12B": _gemma(48, 3840, 6, block_size=131072, vocab_size=262208, n_head=16, n_local_heads=8,
+                          intermediate_size=15360, sliding_window=1024, qk_norm=True, rope_base=1e6,
+                          local_rope_base=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0)),
+    "Phi-3-mini": dict(block_size=4096, vocab_size=32064, n_layer=32, n_head=32, dim=3072, intermediate_size=8192,
+                       sliding_window=2047),
 }

@@ -126,8 +126,8 @@ def _load_tokenizer_model(path: Path):
 def render_chat_template(template: str, messages: list[dict], special_tokens: dict[str, str]) -> str:
     """The prompt text of a dialog, ending with the assistant's turn opened, as transformers'
     apply_chat_template renders it: a sandboxed Jinja environment with the same options and helpers."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    ImmutableSandboxedEnvironment = _import("jinja2.sandbox").ImmutableSandboxedEnvironment
+    TemplateError = _import("jinja2.exceptions").TemplateError
 
     def raise_exception(message):
         raise TemplateError(message)

@@ -93,26 +93,55 @@ def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_byte
     return total * 1e3
 
 
+def hf_family(c: ModelArgs) -> tuple[str, dict]:
+    """The HF architecture computing what `c` does, and its config's settings beyond the shape. (Phi-3-mini's
+    4k shape, without partial rotary or longrope, computes what Mistral does: HF's Mistral stands for it.)"""
+    layer_types = [("sliding_attention" if c.is_sliding(i) else "full_attention") for i in range(c.n_layer)]
+    if c.sandwich_norms:  # Gemma
+        gemma = dict(query_pre_attn_scalar=round(c.attention_scale ** -2), sliding_window=c.sliding_window,
+                     layer_types=layer_types, hidden_activation="gelu_pytorch_tanh")
+        if c.qk_norm:
+            return "Gemma3ForCausalLM", dict(gemma, rope_local_base_freq=c.local_rope_base, rope_scaling=c.rope_scaling)
+        return "Gemma2ForCausalLM", dict(gemma, attn_logit_softcapping=c.attention_softcap,
+                                         final_logit_softcapping=c.logit_softcap)
+    if c.qk_norm or c.qkv_bias:
+        return ("Qwen3ForCausalLM" if c.qk_norm else "Qwen2ForCausalLM"), dict(
+            use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window, layer_types=layer_types)
+    if c.rope_dim != c.head_dim or (c.rope_scaling or {}).get("rope_type") == "longrope":
+        return "Phi3ForCausalLM", dict(partial_rotary_factor=c.rope_dim / c.head_dim, sliding_window=c.sliding_window,
+                                       rope_scaling=c.rope_scaling)
+    if c.sliding_window:
+        return "MistralForCausalLM", dict(sliding_window=c.sliding_window)
+    return "LlamaForCausalLM", dict(rope_scaling=c.rope_scaling)
+
+
 def hf_model_from(model: Transformer):
-    """HF transformers' LlamaForCausalLM holding the same weights (split back into q/k/v, gate/up)."""
+    """HF transformers' model of the same family holding the same weights (split back into q/k/v,
+    gate/up where HF keeps them apart)."""
     import transformers
 
     c = model.config
-    hf_config = transformers.LlamaConfig(
+    architecture, settings = hf_family(c)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "TextConfig" if "Gemma3" in architecture
+                                                              else "Config"))
+    hf_config = config_class(
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_local_heads,
         head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_base, rope_scaling=c.rope_scaling, tie_word_embeddings=c.tie_embeddings)
+        rope_theta=c.rope_base, tie_word_embeddings=c.tie_embeddings, **settings)
     weight = model.output.weight
     with torch.device("meta"):
-        hf = transformers.LlamaForCausalLM(hf_config)
+        hf = getattr(transformers, architecture)(hf_config)
     # the inverse of our conversion: each of our tensors split into the HF tensors it was made of
     state, ours, sizes = {"lm_head.weight": model.output.weight}, model.state_dict(), fused_parts(c)
-    for name, parts in hf_names(c, ()).items():
-        state.update(zip(parts, ours[name].split(sizes.get(".".join(name.split(".")[2:4]), [len(ours[name])]))))
+    for name, parts in hf_names(c, hf.state_dict()).items():
+        pieces = ours[name].split(sizes[".".join(name.split(".")[2:4])]) if len(parts) > 1 else [ours[name]]
+        state.update(zip(parts, pieces))
     hf.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
     with torch.device(weight.device):  # its buffers were made on meta
         hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
+        if hasattr(hf.model.embed_tokens, "embed_scale"):  # Gemma's
+            hf.model.embed_tokens.embed_scale = torch.tensor(c.embedding_scale)
     return hf.to(weight.dtype).eval()
 
 

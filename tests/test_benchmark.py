@@ -31,6 +31,37 @@ def test_hf_model_holds_our_weights(model_fp32):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name, architecture", [
+    ("Qwen2.5-0.5B", "Qwen2ForCausalLM"), ("Qwen3-0.6B", "Qwen3ForCausalLM"), ("Mistral-7B-v0.1", "MistralForCausalLM"),
+    ("Gemma-2-2B", "Gemma2ForCausalLM"), ("Gemma-3-12B", "Gemma3ForCausalLM"), ("Phi-3-mini", "MistralForCausalLM"),
+])
+def test_hf_model_of_each_family_holds_our_weights(name, architecture):
+    """A family's real shape, shrunk (its variant fields kept), and the HF model the benchmark compares
+    against: the same logits, so the family's row compares like with like."""
+    from model import ModelArgs, Transformer
+
+    config = ModelArgs.from_name(name)
+    config.n_layer, config.vocab_size, config.dim, config.intermediate_size = 3, 128, 64, 96
+    config.n_head, config.n_local_heads, config.head_dim, config.rope_dim = 4, 2, 16, 16
+    if config.sliding_window:  # the family's pattern of sliding layers, over the first three
+        config.sliding_window, config.sliding_layers = 8, [i for i in config.sliding_layers if i < 3]
+    if config.embedding_scale != 1.0:
+        config.embedding_scale = 8.0
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    ids = torch.randint(0, 128, (1, 24))
+    hf = benchmark.hf_model_from(model)
+    assert type(hf).__name__ == architecture
+    with torch.no_grad():
+        model.setup_caches(1, 64)
+        ours = model(ids, torch.arange(24))
+        theirs = hf(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
 def test_quantized_copy_equals_the_quantized_checkpoint(bundled_checkpoint, int4_checkpoint):
     model = load_model(bundled_checkpoint, "cpu", "fp32")  # the precision the bundled checkpoint is stored in
     in_memory = benchmark.quantized_copy(model, model.config, "int4", 32)
