@@ -55,8 +55,8 @@ def sample_from(probs: Tensor) -> Tensor:
 def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
     """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
     of each row, (B, 1)."""
-    logits = model(idx, prompt_positions(lengths, idx.shape[1], model.chunk))  # (B, T, V)
-    return sample(logits[torch.arange(idx.shape[0], device=idx.device), lengths - 1], **sampling)
+    logits = model(idx, prompt_positions(lengths, idx.shape[1], model.chunk), last=lengths - 1)  # (B, 1, V)
+    return sample(logits[:, 0], **sampling)
 
 
 def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:

@@ -148,15 +148,22 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
-        Returns logits (B, T, vocab_size)."""
+        Returns logits (B, T, vocab_size); with last (B,), only those of each row's position last,
+        (B, 1, vocab_size): a prefill needs no more, and the head is the largest matmul of small models."""
+        x = self.hidden_states(idx, input_pos.expand(idx.shape))  # (B, T, dim)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
+        return softcap(self.output(self.norm(x)), self.config.logit_softcap)
+
+    def hidden_states(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+        """The last layer's output (B, T, dim), writing the KV cache at input_pos (B, T)."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
         B, T = idx.shape
-        input_pos = input_pos.expand(B, T)
         if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
-            return torch.cat([self(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk])
+            return torch.cat([self.hidden_states(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk])
                               for i in range(0, T, self.chunk)], dim=1)
         full = self.rope_cache[input_pos], attention_mask(input_pos, self.positions)  # rope: (B, T, 2 * rope_dim)
         if c.sliding_window:
@@ -166,7 +173,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx) * self.embedding_scale
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
-        return softcap(self.output(self.norm(x)), c.logit_softcap)
+        return x
 
 
 def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None) -> Tensor:
