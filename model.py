@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -135,7 +135,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length,
                                                c.n_local_heads, c.head_dim, dtype, weight.device)
-        # the position in each slot, -1 while empty: a full cache's slot s holds position s
+        # the position each cache slot holds: slot s of a full cache, position s (or a stale one past
+        # the row's, masked); a ring's slots are tracked as they are written, -1 while empty
         positions = torch.arange(max_seq_length, device=weight.device).expand(max_batch_size, -1)
         self.register_buffer("positions", positions, persistent=False)
         if c.sliding_window:
@@ -192,7 +193,7 @@ def softcap(x: Tensor, cap: float | None) -> Tensor:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs, layer: int):
+    def __init__(self, config: ModelArgs):
         super().__init__()
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
@@ -245,11 +246,12 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=nh != self.n_local_heads)
         # written out (decoding, and soft-capped scores): each k/v head with its group of query heads
-        group = nh // self.n_local_heads
-        q = q.view(B, self.n_local_heads, group, T, hd)
-        k, v, mask = k.unsqueeze(2), v.unsqueeze(2), mask.unsqueeze(2)  # (B, n_kv, 1, S, hd), (B, 1, 1, T, S)
-        scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g, T, S)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        # as the rows of one product, so that no head's keys are repeated
+        n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]
+        q = q.reshape(B, n_kv, group * T, hd)
+        scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)
+        scores = scores.view(B, n_kv, group, T, S).masked_fill(~mask.unsqueeze(2), float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype).view(B, n_kv, group * T, S)
         return self.matmul(probs, v).to(q.dtype).view(B, nh, T, hd)
 
 

@@ -323,7 +323,8 @@ class GPTQ:
         self.source, self.config, self.groupsize = source, config, groupsize
         tokens = calibration_tokens(checkpoint_dir, calibration_file, n_samples * seq_len)
         embeddings = source.get_tensor("tok_embeddings.weight").float()
-        self.hidden = F.embedding(tokens.view(n_samples, seq_len), embeddings)  # (n_samples, T, dim)
+        # (n_samples, T, dim), scaled as the model scales its embeddings (Gemma)
+        self.hidden = F.embedding(tokens.view(n_samples, seq_len), embeddings) * config.embedding_scale
         self.ropes = rope_tables(config, seq_len)  # for the global layers, for the sliding ones
         self.results, self.layer = {}, -1
 
@@ -337,7 +338,7 @@ class GPTQ:
     @torch.no_grad()
     def quantize_layer(self, i: int):
         prefix = f"layers.{i}."
-        block = TransformerBlock(self.config, i)
+        block = TransformerBlock(self.config)
         block.load_state_dict({k: self.source.get_tensor(prefix + k).float() for k in block.state_dict()})
         linears = {prefix + n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
         hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
