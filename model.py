@@ -50,6 +50,14 @@ class ModelArgs:
     sliding_window: int | None = None  # a query at p sees keys at p - window + 1 .. p ...
     sliding_layers: list[int] | None = None  # ... in these layers (None: every layer)
     local_rope_base: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_base
+    qk_norm_per_head: bool = True  # qk_norm over each head; False: over all of q's heads, and all of k's (OLMoE)
+    # Mixture of experts: a MoE layer's MLP is n_experts MLPs of moe_intermediate_size, of which a
+    # router picks n_active_experts per token and sums their outputs, weighted by its probabilities
+    n_experts: int = 0  # 0: every MLP is dense
+    n_active_experts: int = 2
+    moe_intermediate_size: int | None = None
+    moe_layers: list[int] | None = None  # the layers whose MLP is routed (None: every layer)
+    normalize_expert_weights: bool = True  # the chosen experts' probabilities rescaled to sum to 1 (not OLMoE's)
 
     def __post_init__(self):
         if self.n_local_heads == -1:
@@ -63,6 +71,10 @@ class ModelArgs:
             self.intermediate_size = 256 * math.ceil(hidden / 256)
         if self.sliding_window is not None and self.sliding_layers is None:
             self.sliding_layers = list(range(self.n_layer))
+        if self.n_experts and self.moe_layers is None:
+            self.moe_layers = list(range(self.n_layer))
+        if self.n_experts and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -79,6 +91,9 @@ class ModelArgs:
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and layer in self.sliding_layers
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer in self.moe_layers
 
 
 class KVCache(nn.Module):
@@ -106,7 +121,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -193,10 +208,10 @@ def softcap(x: Tensor, cap: float | None) -> Tensor:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, layer: int):
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if config.is_moe(layer) else FeedForward(config)
         norm = lambda: RMSNorm(config.dim, config.norm_eps, config.norm_offset)  # noqa: E731
         self.attention_norm, self.ffn_norm = norm(), norm()
         self.post_attention_norm = norm() if config.sandwich_norms else nn.Identity()
@@ -217,12 +232,14 @@ class Attention(nn.Module):
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.softcap = config.attention_softcap
+        self.qk_norm_per_head = config.qk_norm_per_head
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)  # rows: q, then k, then v
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+            q_size, k_size = (1, 1) if config.qk_norm_per_head else (config.n_head, config.n_local_heads)
+            self.q_norm = RMSNorm(q_size * config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(k_size * config.head_dim, config.norm_eps, config.norm_offset)
         else:
             self.q_norm = self.k_norm = nn.Identity()
         self.kv_cache: KVCache | None = None
@@ -231,12 +248,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(self.q_norm(q.view(B, T, self.n_head, self.head_dim)), rope)  # (B, T, nh, hd)
-        k = apply_rope(self.k_norm(k.view(B, T, self.n_local_heads, self.head_dim)), rope)  # (B, T, n_kv, hd)
+        q = apply_rope(self.normed_heads(self.q_norm, q, self.n_head), rope)  # (B, T, nh, hd)
+        k = apply_rope(self.normed_heads(self.k_norm, k, self.n_local_heads), rope)  # (B, T, n_kv, hd)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
         y = self.attend(q.transpose(1, 2), k, v, mask)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+
+    def normed_heads(self, norm: nn.Module, x: Tensor, n_heads: int) -> Tensor:
+        """x (B, T, n_heads * hd) -> (B, T, n_heads, hd), normalized over each head or over all of them."""
+        B, T, _ = x.shape
+        return norm(x.view(B, T, n_heads if self.qk_norm_per_head else 1, -1)).view(B, T, n_heads, self.head_dim)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
@@ -267,6 +289,79 @@ class FeedForward(nn.Module):
         return self.w2(self.activation(gate) * up)
 
 
+class MoEFeedForward(nn.Module):
+    """n_experts gated MLPs, of which each token goes through the n_active_experts that its router
+    rates highest; their outputs are summed, weighted by the router's probabilities."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.n_active_experts
+        self.normalize = config.normalize_expert_weights
+        hidden = config.moe_intermediate_size
+        self.router = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.w13 = ExpertLinears(config.n_experts, config.dim, 2 * hidden)  # rows of each: gate, then up
+        self.w2 = ExpertLinears(config.n_experts, hidden, config.dim)
+        self.activation = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape, k = x.shape, self.top_k
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        probs = self.router(x).float().softmax(-1)  # (N, n_experts)
+        weights, experts = probs.topk(k, dim=-1)  # (N, k) each
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        experts = experts.view(-1)  # (N * k,): one (token, expert) pair each, token p // k
+        pairs = torch.arange(experts.shape[0], device=x.device)
+        if experts.shape[0] <= self.n_experts:  # a few tokens (decoding): each pair reads its expert's weights
+            y = self.mlp(x[pairs // k], experts)
+        else:  # the pairs sorted by expert, so that a grouped product reads each expert's weights once
+            order = experts.argsort(stable=True)
+            ends = (experts.unsqueeze(1) == torch.arange(self.n_experts, device=x.device)).sum(0).cumsum(0)
+            y = self.mlp(x[order // k], experts[order], ends.int())
+            y = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
+        return (y.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
+
+    def mlp(self, x: Tensor, experts: Tensor, ends: Tensor | None = None) -> Tensor:
+        """Each row of x (P, dim) through the expert of its pair (P,) -> (P, dim)."""
+        gate, up = self.w13(x, experts, ends).chunk(2, dim=-1)
+        return self.w2(self.activation(gate) * up, experts, ends)
+
+
+class ExpertLinears(nn.Module):
+    """One linear layer of every expert, stacked: weight (n_experts, out_features, in_features)."""
+
+    # In compiled code, rows (P, in) times their experts' weights (P, out, in) -> (P, out) as a
+    # multiply-and-sum: one pass that gathers the weights as it reads them, never a copy of them.
+    # cpu_decode.py swaps in its CPU form of the same.
+    product = staticmethod(lambda x, w: (x.unsqueeze(-2).float() * w.float()).sum(-1))
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        bound = in_features ** -0.5  # nn.Linear's initial range, for a model that is built, not loaded
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features).uniform_(-bound, bound))
+
+    def forward(self, x: Tensor, experts: Tensor, ends: Tensor | None = None) -> Tensor:
+        """x (P, in) -> (P, out), row p through the layer of expert experts[p]. With ends (n_experts,),
+        the rows are sorted by expert, expert e's ending at row ends[e], and one grouped product reads
+        each expert's weights once; without, each row reads its own expert's (for a few rows)."""
+        if ends is not None:
+            w = self.expert_weights(None, x.dtype).transpose(1, 2)  # (n_experts, in, out)
+            if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
+                return torch._grouped_mm(x, w, offs=ends)
+            # compiled code traces grouped products in bf16 only: in another dtype (fp32, in tests) every
+            # expert's product over all rows, of which each row keeps its own expert's
+            return (x @ w)[experts, torch.arange(x.shape[0], device=x.device)]
+        w = self.expert_weights(experts, x.dtype)  # (P, out, in)
+        if torch.compiler.is_compiling():
+            return self.product(x, w).to(x.dtype)
+        return torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+
+    def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """The weights of experts (P,), or of all of them for None, in dtype: (P or n_experts, out, in).
+        Quantized layers (quantize.py) dequantize here."""
+        return (self.weight if experts is None else self.weight[experts]).to(dtype)
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -278,8 +373,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()  # the mean of squares needs fp32 range and precision
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = xf * torch.rsqrt(self.mean_square(xf) + self.eps)
         return (normed * (self.offset + self.weight.float())).type_as(x)
+
+    def mean_square(self, xf: Tensor) -> Tensor:
+        return xf.pow(2).mean(-1, keepdim=True)
 
 
 def rope_tables(config: ModelArgs, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
@@ -400,6 +498,16 @@ transformer_configs = {
     "Gemma-3-12B": _gemma(48, 3840, 6, block_size=131072, vocab_size=262208, n_head=16, n_local_heads=8,
                           intermediate_size=15360, sliding_window=1024, qk_norm=True, rope_base=1e6,
                           local_rope_base=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0)),
+    # mixtures of experts; the last, a small one for benchmarks on a CPU (its dense twin: scripts/benchmark.py)
+    "Mixtral-8x7B": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8, rope_base=1e6,
+                         n_experts=8, n_active_experts=2, moe_intermediate_size=14336),
+    "Qwen3-30B-A3B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=48, n_head=32, dim=2048, n_local_heads=4,
+                          head_dim=128, qk_norm=True, n_experts=128, n_active_experts=8, moe_intermediate_size=768),
+    "OLMoE-1B-7B": dict(block_size=4096, vocab_size=50304, n_layer=16, n_head=16, dim=2048, qk_norm=True,
+                        qk_norm_per_head=False, n_experts=64, n_active_experts=8, moe_intermediate_size=1024,
+                        normalize_expert_weights=False),
+    "MoE-1.3B-A0.4B": dict(block_size=4096, n_layer=24, n_head=16, dim=1024, n_local_heads=4, n_experts=8,
+                           n_active_experts=2, moe_intermediate_size=2048),
     "Phi-3-mini": dict(block_size=4096, vocab_size=32064, n_layer=32, n_head=32, dim=3072, intermediate_size=8192,
                        sliding_window=2047),
 }

@@ -32,7 +32,7 @@ from torch import Tensor
 from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
 from cpu_decode import one_row_product
 from errors import UserError, run_cli
-from model import KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
+from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
 
 GROUPSIZES = (32, 64, 128, 256)
@@ -43,41 +43,44 @@ MODES = ("int8", "int4", "int4-gptq", "int4-gguf")
 # Quantizing a weight
 
 
+# Each works on a weight (n, k) or on a stack of them, (..., n, k): the experts of a MoE layer.
+
+
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     """w (n, k) -> int8 q (n, k) and bf16 scales (n,) with w ~ q * scale."""
     w = w.float()
-    scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).bfloat16()  # rounded first: q fits the stored scale
-    return torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8), scales
+    scales = (w.abs().amax(dim=-1).clamp(min=1e-8) / 127).bfloat16()  # rounded first: q fits the stored scale
+    return torch.round(w / scales.float()[..., None]).clamp(-127, 127).to(torch.int8), scales
 
 
 def int4_group_params(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor]:
     """Per-group scale and min of w (n, k): 16 levels from each group's min to its max."""
-    groups = w.float().reshape(w.shape[0], -1, groupsize)
+    groups = w.float().reshape(*w.shape[:-1], -1, groupsize)
     lo, hi = groups.amin(-1), groups.amax(-1)
     return ((hi - lo) / 15).clamp(min=1e-8), lo  # (n, k/groupsize) each
 
 
 def quantize_int4(w: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
     """w (n, k) -> levels 0..15 (n, k) as uint8, for per-group scales and mins (n, k/groupsize)."""
-    groupsize = w.shape[1] // scales.shape[1]
-    scales, mins = scales.repeat_interleave(groupsize, 1), mins.repeat_interleave(groupsize, 1)
+    groupsize = w.shape[-1] // scales.shape[-1]
+    scales, mins = scales.repeat_interleave(groupsize, -1), mins.repeat_interleave(groupsize, -1)
     return torch.round((w.float() - mins) / scales).clamp(0, 15).to(torch.uint8)
 
 
 def pack_int4(q: Tensor) -> Tensor:
     """(n, k) levels 0..15 -> (n, k/2) uint8, high nibble first (CUDA's int4pack input layout)."""
-    return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    return (q[..., ::2] << 4 | q[..., 1::2]).to(torch.uint8)
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
     """(n, k/2) uint8 -> (n, k) levels 0..15 as uint8."""
-    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
-    groupsize = 2 * packed.shape[1] // scales.shape[1]
-    q = unpack_int4(packed).float()
-    return q * scales.float().repeat_interleave(groupsize, 1) + mins.float().repeat_interleave(groupsize, 1)
+def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.float32) -> Tensor:
+    """(n, k/2) packed levels, (n, k/groupsize) scales and mins -> w (n, k) in dtype."""
+    q = unpack_int4(packed).to(dtype).view(*scales.shape, -1)  # (n, groups, groupsize)
+    return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +170,39 @@ class Int4Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+class Int8ExpertLinears(ExpertLinears):
+    """A MoE layer's stacked experts in int8: weight (n_experts, n, k), scales (n_experts, n). Dequantized
+    as read: in compiled decoding that fuses into the one pass over the selected experts' bytes."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, dtype=torch.bfloat16, device=None):
+        nn.Module.__init__(self)
+        self.register_buffer("weight", torch.empty(n_experts, out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(n_experts, out_features, dtype=dtype, device=device))
+
+    def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
+        e = slice(None) if experts is None else experts
+        return self.weight[e].to(dtype) * self.scales[e].to(dtype).unsqueeze(-1)
+
+
+class Int4ExpertLinears(ExpertLinears):
+    """A MoE layer's stacked experts in int4, the file's layout (k padded to whole groups): weight
+    (n_experts, n, k/2), scales and mins (n_experts, n, k/groupsize). Dequantized as read, like int8's."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, groupsize: int, dtype=torch.bfloat16,
+                 device=None):
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        padded = -(-in_features // groupsize) * groupsize
+        shape = (n_experts, out_features)
+        self.register_buffer("weight", torch.empty(*shape, padded // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(*shape, padded // groupsize, dtype=dtype, device=device))
+        self.register_buffer("mins", torch.empty(*shape, padded // groupsize, dtype=dtype, device=device))
+
+    def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
+        e = slice(None) if experts is None else experts
+        return dequantize_int4(self.weight[e], self.scales[e], self.mins[e], dtype)[..., : self.in_features]
+
+
 def int8_kernel(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "dequantize"
 
@@ -182,8 +218,10 @@ def int4_kernel(device: torch.device, out_features: int) -> str:
 
 
 def linear_names(model: Transformer) -> list[str]:
-    """The linears that quantization replaces: all of them, the output head included."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """The layers that quantization replaces: every linear, the output head included, and every MoE
+    layer's stacked experts; not a MoE router, whose few weights pick the experts."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, ExpertLinears)) and not name.endswith(".router")]
 
 
 def swap_linears(model: Transformer, scheme: dict):
@@ -192,7 +230,14 @@ def swap_linears(model: Transformer, scheme: dict):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        device, bias = old.weight.device, old.bias is not None
+        device = old.weight.device
+        if isinstance(old, ExpertLinears):
+            n_experts, out_features, in_features = old.weight.shape
+            new = (Int8ExpertLinears(n_experts, in_features, out_features, device=device) if scheme["mode"] == "int8"
+                   else Int4ExpertLinears(n_experts, in_features, out_features, scheme["groupsize"], device=device))
+            setattr(parent, child, new)
+            continue
+        bias = old.bias is not None
         if scheme["mode"] == "int8" or name == "output":
             new = Int8Linear(old.in_features, old.out_features, bias, device=device)
         else:
@@ -240,14 +285,14 @@ def output_path(checkpoint_path: Path, mode: str, groupsize: int) -> Path:
 def quantized_group(name: str, read, shape: tuple, scheme: dict, gptq=None) -> Group:
     """The tensors replacing linear weight `name`, made from read() when written."""
     base = name.removesuffix(".weight")
-    n, k = shape
+    *rows, k = shape  # rows: (n,), or (n_experts, n) for a MoE layer's stacked experts
     if scheme["mode"] == "int8" or base == "output":
-        specs = [(f"{base}.weight", torch.int8, (n, k)), (f"{base}.scales", torch.bfloat16, (n,))]
+        specs = [(f"{base}.weight", torch.int8, shape), (f"{base}.scales", torch.bfloat16, tuple(rows))]
         return specs, lambda: quantize_int8(read())
     g = scheme["groupsize"]
     padded = -(-k // g) * g
-    specs = [(f"{base}.weight", torch.uint8, (n, padded // 2)), (f"{base}.scales", torch.bfloat16, (n, padded // g)),
-             (f"{base}.mins", torch.bfloat16, (n, padded // g))]
+    specs = [(f"{base}.weight", torch.uint8, (*rows, padded // 2)),
+             (f"{base}.scales", torch.bfloat16, (*rows, padded // g)), (f"{base}.mins", torch.bfloat16, (*rows, padded // g))]
 
     def make():
         if gptq:
@@ -285,6 +330,8 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
         model = Transformer(config)
     linears = {f"{n}.weight" for n in linear_names(model)}
     gptq = None
+    if mode == "int4-gptq" and config.n_experts:
+        raise UserError("GPTQ is not implemented for mixture-of-experts models: use --mode int4 (round to nearest)")
     if mode == "int4-gptq":
         gptq = GPTQ(source, checkpoint_path.parent, config, groupsize, calibration_file,
                     calibration_samples, calibration_seq_len)
@@ -338,7 +385,7 @@ class GPTQ:
     @torch.no_grad()
     def quantize_layer(self, i: int):
         prefix = f"layers.{i}."
-        block = TransformerBlock(self.config)
+        block = TransformerBlock(self.config, i)
         block.load_state_dict({k: self.source.get_tensor(prefix + k).float() for k in block.state_dict()})
         linears = {prefix + n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
         hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}

@@ -3,8 +3,9 @@
 
 Each rank holds a slice of every layer: attention by heads (q, k and v each split on its own head
 boundary, the output projection by its input columns) and the MLP by hidden units (gate and up by
-rows, down by input columns). The row-wise layers (wo, w2) produce partial sums, added up by one
-all-reduce each: two per layer and token. Embeddings and the output head are replicated.
+rows, down by input columns; a MoE layer's experts each the same way, its router whole). The
+row-wise layers (wo, w2) produce partial sums, added up by one all-reduce each: two per layer and
+token. Embeddings and the output head are replicated.
 
 A rank's model is simply a narrower model (fewer heads, a smaller MLP) whose attention and MLP
 outputs are summed over the ranks: model.py knows nothing of it. `apply_tp` makes one from a model
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from checkpoint import fused_parts
 from errors import UserError
-from model import Attention, FeedForward, ModelArgs, Transformer
+from model import Attention, FeedForward, ModelArgs, MoEFeedForward, RMSNorm, Transformer
 
 
 def maybe_init_distributed() -> tuple[int, int]:
@@ -48,8 +49,11 @@ def apply_tp(model: Transformer, rank: int, world: int, groupsize: int | None = 
     whose shards must hold whole groups."""
     check_divisible(model.config, world, groupsize)
     full, model.config = model.config, local_config(model.config, world)
-    for layer in model.layers:
-        layer.attention, layer.feed_forward = Attention(model.config), FeedForward(model.config)
+    for i, layer in enumerate(model.layers):
+        layer.attention = Attention(model.config)
+        layer.feed_forward = (MoEFeedForward if model.config.is_moe(i) else FeedForward)(model.config)
+        if model.config.qk_norm and not model.config.qk_norm_per_head:  # norms over all heads (OLMoE)
+            layer.attention.q_norm.__class__ = layer.attention.k_norm.__class__ = ShardedRMSNorm
         # the hooks sit on the modules holding wo and w2, so that quantized swaps inside keep them
         layer.attention.register_forward_hook(all_reduce)
         layer.feed_forward.register_forward_hook(all_reduce)
@@ -59,40 +63,47 @@ def apply_tp(model: Transformer, rank: int, world: int, groupsize: int | None = 
 def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None):
     """A clear error, naming the world sizes that work, when the model does not split `world` ways."""
     def fits(w):
-        ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and config.intermediate_size % w == 0
+        hidden = [config.intermediate_size] + [config.moe_intermediate_size] * (config.n_experts > 0)
+        ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and all(h % w == 0 for h in hidden)
         if groupsize:  # int4 row-wise shards must hold whole groups of input columns
-            ok &= all((k // w) % groupsize == 0 for k in (config.n_head * config.head_dim, config.intermediate_size))
+            ok &= all((k // w) % groupsize == 0 for k in [config.n_head * config.head_dim, *hidden])
         return ok
 
     if not fits(world):
         sizes = [w for w in range(1, config.n_head + 1) if fits(w)]
+        experts = f", experts' MLPs of {config.moe_intermediate_size}" if config.n_experts else ""
         raise UserError(f"this model ({config.n_head} heads, {config.n_local_heads} key/value heads, MLP of "
-                        f"{config.intermediate_size}{f', int4 groups of {groupsize}' if groupsize else ''}) does not "
+                        f"{config.intermediate_size}{experts}{f', int4 groups of {groupsize}' if groupsize else ''}) does not "
                         f"split {world} ways; world sizes that work: {sizes}")
 
 
 def local_config(config: ModelArgs, world: int) -> ModelArgs:
     """The shape of one rank's slice: a model with 1/world of the heads and of the MLP."""
+    moe = config.moe_intermediate_size
     return dataclasses.replace(config, n_head=config.n_head // world, n_local_heads=config.n_local_heads // world,
-                               intermediate_size=config.intermediate_size // world, head_dim=config.head_dim)
+                               intermediate_size=config.intermediate_size // world, head_dim=config.head_dim,
+                               moe_intermediate_size=moe // world if moe else None)
 
 
 def shard_selector(config: ModelArgs, rank: int, world: int):
     """For the checkpoint reader: tensor name -> (dim, [(start, stop), ...]) of this rank's pieces, or
     None for a replicated tensor. Ranges are in units of the tensor's own dimension, so the same rule
     serves a bf16 weight, an int4 weight of k/2 bytes a row, and per-group scales."""
-    column_parts = fused_parts(config)
-
     def select(name: str, shape: tuple) -> tuple[int, list[tuple[int, int]]] | None:
-        module = ".".join(name.split(".")[2:4])
         if not name.startswith("layers."):
             return None
-        if module in column_parts:  # split each fused part's rows on its own boundary
-            starts = [sum(column_parts[module][:i]) for i in range(len(column_parts[module]))]
-            return 0, [(s + rank * n // world, s + (rank + 1) * n // world)
-                       for s, n in zip(starts, column_parts[module])]
-        if module in ("attention.wo", "feed_forward.w2") and len(shape) == 2:  # input columns (per-row scales stay)
-            return 1, [(rank * shape[1] // world, (rank + 1) * shape[1] // world)]
+        layer, module = int(name.split(".")[1]), ".".join(name.split(".")[2:4])
+        parts = fused_parts(config, layer)
+        # a MoE layer's experts are stacked: their rows and columns lie one dimension further in
+        stacked = config.is_moe(layer) and module in ("feed_forward.w13", "feed_forward.w2")
+        if module in parts:  # split each fused part's rows on its own boundary
+            starts = [sum(parts[module][:i]) for i in range(len(parts[module]))]
+            return int(stacked), [(s + rank * n // world, s + (rank + 1) * n // world)
+                                  for s, n in zip(starts, parts[module])]
+        if module in ("attention.wo", "feed_forward.w2") and len(shape) == 2 + stacked:  # input columns
+            return 1 + stacked, [(rank * shape[-1] // world, (rank + 1) * shape[-1] // world)]
+        if module in ("attention.q_norm", "attention.k_norm") and not config.qk_norm_per_head:  # over all heads
+            return 0, [(rank * shape[0] // world, (rank + 1) * shape[0] // world)]
         return None
 
     return select
@@ -103,6 +114,15 @@ def all_reduce(module, args, output: Tensor) -> Tensor:
     that the compiled decode step traces it; summed in fp32: one rounding to the model's dtype, not
     one per rank (the bytes are few)."""
     return funcol.all_reduce(output.float(), "sum", dist.group.WORLD).to(output.dtype)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """An RMSNorm over a vector that lies in slices on the ranks (OLMoE normalizes all of q's heads
+    together): the mean of squares is over the whole of it."""
+
+    def mean_square(self, xf: Tensor) -> Tensor:
+        total = funcol.all_reduce(xf.pow(2).sum(-1, keepdim=True), "sum", dist.group.WORLD)
+        return total / (xf.shape[-1] * dist.get_world_size())
 
 
 def rank_zero_first(make):

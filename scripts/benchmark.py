@@ -18,6 +18,7 @@ nothing but reading the weights took time.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -41,7 +42,7 @@ import generate as gen
 import quantize
 import speculative
 import tp
-from checkpoint import fused_parts, load_config
+from checkpoint import load_config
 from convert import bundled_gguf, hf_names
 from errors import UserError, run_cli
 from model import ModelArgs, Transformer
@@ -97,6 +98,15 @@ def hf_family(c: ModelArgs) -> tuple[str, dict]:
     """The HF architecture computing what `c` does, and its config's settings beyond the shape. (Phi-3-mini's
     4k shape, without partial rotary or longrope, computes what Mistral does: HF's Mistral stands for it.)"""
     layer_types = [("sliding_attention" if c.is_sliding(i) else "full_attention") for i in range(c.n_layer)]
+    if c.n_experts:
+        moe = dict(num_local_experts=c.n_experts, num_experts=c.n_experts, num_experts_per_tok=c.n_active_experts,
+                   norm_topk_prob=c.normalize_expert_weights)
+        if not c.qk_norm:
+            return "MixtralForCausalLM", dict(moe, intermediate_size=c.moe_intermediate_size, sliding_window=c.sliding_window)
+        if not c.qk_norm_per_head:
+            return "OlmoeForCausalLM", dict(moe, intermediate_size=c.moe_intermediate_size)
+        return "Qwen3MoeForCausalLM", dict(moe, moe_intermediate_size=c.moe_intermediate_size,
+                                           mlp_only_layers=[i for i in range(c.n_layer) if not c.is_moe(i)])
     if c.sandwich_norms:  # Gemma
         gemma = dict(query_pre_attn_scalar=round(c.attention_scale ** -2), sliding_window=c.sliding_window,
                      layer_types=layer_types, hidden_activation="gelu_pytorch_tanh")
@@ -124,19 +134,19 @@ def hf_model_from(model: Transformer):
     architecture, settings = hf_family(c)
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "TextConfig" if "Gemma3" in architecture
                                                               else "Config"))
-    hf_config = config_class(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_local_heads,
-        head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_base, tie_word_embeddings=c.tie_embeddings, **settings)
+    hf_config = config_class(**{
+        **dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
+               num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_local_heads,
+               head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
+               rope_theta=c.rope_base, tie_word_embeddings=c.tie_embeddings), **settings})
     weight = model.output.weight
     with torch.device("meta"):
         hf = getattr(transformers, architecture)(hf_config)
     # the inverse of our conversion: each of our tensors split into the HF tensors it was made of
-    state, ours, sizes = {"lm_head.weight": model.output.weight}, model.state_dict(), fused_parts(c)
-    for name, parts in hf_names(c, hf.state_dict()).items():
-        pieces = ours[name].split(sizes[".".join(name.split(".")[2:4])]) if len(parts) > 1 else [ours[name]]
-        state.update(zip(parts, pieces))
+    state, ours, hf_shapes = {"lm_head.weight": model.output.weight}, model.state_dict(), hf.state_dict()
+    for name, parts in hf_names(c, hf_shapes).items():
+        rows = [hf_shapes[p].shape[0] for p in parts]
+        state.update(zip(parts, ours[name].reshape(sum(rows), *hf_shapes[parts[0]].shape[1:]).split(rows)))
     hf.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
     with torch.device(weight.device):  # its buffers were made on meta
         hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
@@ -158,10 +168,23 @@ def load(args, rank: int = 0, world: int = 1) -> Transformer:
     model = model.to(gen.PRECISIONS[args.precision]).to_empty(device=args.device)
     if model.config.tie_embeddings:  # to_empty gave the tied table two tensors
         model.output.weight = model.tok_embeddings.weight
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.normal_(0, 0.02)
+    return randomized(model)
+
+
+@torch.no_grad()
+def randomized(model: Transformer) -> Transformer:
+    for weight in model.parameters():
+        weight.normal_(0, 0.02)
     return model.eval()
+
+
+def dense_twin(c: ModelArgs, args) -> Transformer:
+    """The dense model with a MoE model's active size: each routed MLP replaced by one MLP as wide as
+    the experts a token goes through, random weights."""
+    if not c.n_experts:
+        raise UserError(f"--dense-twin needs a mixture-of-experts --model; {args.model} is dense")
+    config = dataclasses.replace(c, n_experts=0, moe_layers=None, intermediate_size=c.n_active_experts * c.moe_intermediate_size)
+    return randomized(Transformer(config).to(device=args.device, dtype=gen.PRECISIONS[args.precision]))
 
 
 def resident_bytes(model: Transformer) -> int:
@@ -189,12 +212,12 @@ def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: 
     return quantized.eval()
 
 
-def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1):
+def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1, config: ModelArgs | None = None):
     """(name, model) for each of --quantized: a checkpoint, or int8 / int4 quantized in memory."""
     for q in args.quantized:
         if q in ("int8", "int4"):
             yield (f"{q}{f' g{args.groupsize}' if q == 'int4' else ''} (in memory)",
-                   quantized_copy(model, full_config(args), q, args.groupsize, rank, world))
+                   quantized_copy(model, config or full_config(args), q, args.groupsize, rank, world))
         else:
             yield Path(q).stem.removeprefix("fastllama_"), gen.load_model(q, args.device, args.precision, rank, world)
 
@@ -227,13 +250,13 @@ class Ladder:
         self.add(name, run, None if kw else gen.weight_bytes_per_token(model), note)
         self.rows[name]["memory_gb"] = resident_bytes(model) / 1e9
 
-    def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1):
-        """Our compiled rungs: the model, then each quantized one."""
+    def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1, config=None):
+        """Our compiled rungs: the model, then each quantized one (config: the model's whole shape)."""
         args = self.args
         decode.compile_steps()
         cpu_decode.apply(model)
         self.ours(f"ours {args.precision} compiled{suffix}", model)
-        for name, quantized in quantized_models(args, model, rank, world):
+        for name, quantized in quantized_models(args, model, rank, world, config):
             cpu_decode.apply(quantized)
             self.ours(f"ours {name} compiled{suffix}", quantized)
             del quantized
@@ -263,6 +286,10 @@ def main(args):
         rows["llama.cpp (llama-bench) on the GGUF"] = llama_bench(args, len(prompt))
     ladder.ours(f"ours {args.precision} eager", model)
     ladder.compiled(model)
+    if args.dense_twin:
+        twin = dense_twin(model.config, args)
+        ladder.compiled(twin, " (dense twin)", config=twin.config)
+        del twin
     if not args.model and not args.no_speculative:  # acceptance needs real weights
         speculative_rows(ladder, model)
     for world in args.tp:
@@ -470,6 +497,8 @@ if __name__ == "__main__":
                         "quantize the weights in memory (round to nearest; the way with --random-weights)")
     p.add_argument("--groupsize", type=int, default=32, help="of --quantized int4")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    p.add_argument("--dense-twin", action="store_true",
+                   help="with a MoE --model: also the dense model of its active size, compiled (and --quantized)")
     p.add_argument("--hf-compile", action="store_true",
                    help="also HF with its static cache and a compiled forward (compiling takes minutes on CPU)")
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative rungs")

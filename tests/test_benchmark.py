@@ -34,6 +34,7 @@ def test_hf_model_holds_our_weights(model_fp32):
 @pytest.mark.parametrize("name, architecture", [
     ("Qwen2.5-0.5B", "Qwen2ForCausalLM"), ("Qwen3-0.6B", "Qwen3ForCausalLM"), ("Mistral-7B-v0.1", "MistralForCausalLM"),
     ("Gemma-2-2B", "Gemma2ForCausalLM"), ("Gemma-3-12B", "Gemma3ForCausalLM"), ("Phi-3-mini", "MistralForCausalLM"),
+    ("MoE-1.3B-A0.4B", "MixtralForCausalLM"), ("Qwen3-30B-A3B", "Qwen3MoeForCausalLM"), ("OLMoE-1B-7B", "OlmoeForCausalLM"),
 ])
 def test_hf_model_of_each_family_holds_our_weights(name, architecture):
     """A family's real shape, shrunk (its variant fields kept), and the HF model the benchmark compares
@@ -43,6 +44,8 @@ def test_hf_model_of_each_family_holds_our_weights(name, architecture):
     config = ModelArgs.from_name(name)
     config.n_layer, config.vocab_size, config.dim, config.intermediate_size = 3, 128, 64, 96
     config.n_head, config.n_local_heads, config.head_dim, config.rope_dim = 4, 2, 16, 16
+    if config.n_experts:
+        config.n_experts, config.moe_intermediate_size = 8, 32
     if config.sliding_window:  # the family's pattern of sliding layers, over the first three
         config.sliding_window, config.sliding_layers = 8, [i for i in config.sliding_layers if i < 3]
     if config.embedding_scale != 1.0:

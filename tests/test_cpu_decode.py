@@ -29,6 +29,12 @@ VARIANTS = {
         GQA, rope_dim=8, sliding_window=6, rope_scaling=dict(
             rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 4.0, 5.0, 6.0],
             original_max_position_embeddings=20, attention_factor=1.1)),
+    # decoding 2 rows, 2 * top-k (token, expert) pairs: at most n_experts, each reads its expert's weights
+    "Mixtral: 4 experts, top 2": dict(GQA, n_experts=4, n_active_experts=2, moe_intermediate_size=32),
+    "Qwen3-MoE: a dense layer among routed ones": dict(GQA, qk_norm=True, n_experts=4, moe_layers=[1],
+                                                       moe_intermediate_size=32),
+    "OLMoE: q/k norms over all heads, top 3 of 8 not renormalized": dict(
+        GQA, qk_norm=True, qk_norm_per_head=False, n_experts=8, n_active_experts=3, normalize_expert_weights=False),
 }
 
 
@@ -46,6 +52,7 @@ def test_compiled_cpu_decode_equals_a_full_forward(variant):
     reference = model(ids, torch.arange(24))  # one eager forward over every position, CHUNK at a time
 
     cpu_decode.apply(model)
+    torch._dynamo.reset()  # each variant compiles the same lambda anew: past the recompile limit otherwise
     graphs = []
 
     def inductor(gm, example_inputs):

@@ -40,12 +40,21 @@ FAMILIES = {  # config class, model class, the family's features
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(sliding_window=WINDOW, pad_token_id=0, partial_rotary_factor=0.75,
                   original_max_position_embeddings=64, rope_scaling=LONGROPE)),
+    # mixtures of experts: top-2 of 4, renormalized; top-2 of 4 with a dense layer; top-3 of 8, not renormalized
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                       norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, pad_token_id=0, eos_token_id=1)),
 }
 
 
 def build(family: str, directory):
     """A tiny random HF model of the family, saved to directory; its norms are perturbed away from their
-    initial 1 (Gemma: 0), so that a norm read wrongly shows."""
+    initial 1 (Gemma: 0), so that a norm read wrongly shows, and its routers' weights scaled up from
+    their near-uniform start."""
     config_name, model_name, features = FAMILIES[family]
     config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
     if config_cls is None or model_cls is None:
@@ -56,6 +65,8 @@ def build(family: str, directory):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith("gate.weight"):  # a MoE router: clear choices, which rounding does not flip
+                p.mul_(30)
     hf.save_pretrained(directory)
     return hf
 
@@ -100,10 +111,13 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def test_config_features_reach_the_model(family):
     name, hf, path = family
     c = load_model(path, "cpu", "fp32").config
-    sliding = {"qwen2": [2, 3], "qwen3": None, "mistral": [0, 1, 2, 3], "gemma2": [0, 2], "gemma3": [0, 2],
-               "phi3": [0, 1, 2, 3]}[name]
+    sliding = {"qwen2": [2, 3], "mistral": [0, 1, 2, 3], "gemma2": [0, 2], "gemma3": [0, 2], "phi3": [0, 1, 2, 3],
+               "mixtral": [0, 1, 2, 3]}.get(name)
     assert c.sliding_layers == sliding and c.sliding_window == (WINDOW if sliding else None)
-    assert c.qkv_bias == (name == "qwen2") and c.qk_norm == (name in ("qwen3", "gemma3"))
+    assert c.qkv_bias == (name == "qwen2") and c.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe", "olmoe"))
+    assert c.qk_norm_per_head == (name != "olmoe")
+    moe = {"mixtral": (4, 2, [0, 1, 2, 3], True), "qwen3_moe": (4, 2, [0, 2, 3], True), "olmoe": (8, 3, [0, 1, 2, 3], False)}
+    assert (c.n_experts, c.n_active_experts, c.moe_layers, c.normalize_expert_weights) == moe.get(name, (0, 2, None, True))
     assert (c.norm_offset, c.sandwich_norms, c.activation) == ((1.0, True, "gelu_tanh") if name.startswith("gemma")
                                                                else (0.0, False, "silu"))
     assert c.head_dim == hf.config.head_dim if name in ("qwen3", "mistral") else True
@@ -145,13 +159,19 @@ def test_quantized_checkpoints_load_and_compute_their_weights(family, mode):
     with torch.no_grad():
         reference.output = torch.nn.Linear(TINY["hidden_size"], TINY["vocab_size"], bias=False)  # untied
         reference.output.weight.copy_(load_model(path, "cpu", "fp32").output.weight)
-        for module_name, m in reference.named_modules():
-            if isinstance(m, torch.nn.Linear):
-                if mode == "int8" or module_name == "output":  # the head is int8 in every mode
-                    q, scales = quantize.quantize_int8(m.weight)
-                    m.weight.copy_(q.float() * scales.float()[:, None])
-                else:
-                    m.weight.copy_(quantize.dequantize_int4(*quantize.rtn_int4(m.weight, 32)))
+        linears = quantize.linear_names(reference)  # not MoE routers: they are kept in bf16 as norms are
+        for name, p in reference.named_parameters():
+            if name.rpartition(".")[0] not in linears:
+                p.copy_(p.bfloat16())
+        for module_name in linears:
+            m = reference.get_submodule(module_name)  # a linear, or a MoE layer's stacked experts
+            if mode == "int8" or module_name == "output":  # the head is int8 in every mode
+                q, scales = quantize.quantize_int8(m.weight)
+                m.weight.copy_(q.float() * scales.float()[..., None])
+            else:
+                k = m.weight.shape[-1]  # zero-padded to whole groups (Qwen3-MoE's experts: 48)
+                padded = torch.nn.functional.pad(m.weight, (0, -k % 32))
+                m.weight.copy_(quantize.dequantize_int4(*quantize.rtn_int4(padded, 32))[..., :k])
         text = ids(48, seed=5)
         for m in (reference, quantized):
             m.setup_caches(1, 64, chunk=CHUNK)
