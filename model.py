@@ -311,9 +311,8 @@ class MoEFeedForward(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         experts = experts.view(-1)  # (N * k,): one (token, expert) pair each, token p // k
-        pairs = torch.arange(experts.shape[0], device=x.device)
         if experts.shape[0] <= self.n_experts:  # a few tokens (decoding): each pair reads its expert's weights
-            y = self.mlp(x[pairs // k], experts)
+            y = self.mlp(x[torch.arange(experts.shape[0], device=x.device) // k], experts)
         else:  # the pairs sorted by expert, so that a grouped product reads each expert's weights once
             order = experts.argsort(stable=True)
             ends = (experts.unsqueeze(1) == torch.arange(self.n_experts, device=x.device)).sum(0).cumsum(0)

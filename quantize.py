@@ -138,36 +138,44 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins).bfloat16())
             del self.weight
         else:
-            # tinygemm dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale; (k/groupsize, n, 2)
-            zeros = self.mins.float() + 8 * self.scales.float()
-            scales_and_zeros = torch.stack([self.scales.float(), zeros], -1).transpose(0, 1).contiguous()
-            self.register_buffer("scales_and_zeros", scales_and_zeros.bfloat16())
-            if kernel == "cuda":
-                inner_k_tiles = next(t for t in (8, 4, 2) if self.padded_in % (t * 16) == 0)
-                self.weight = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
-            else:  # the CPU kernel takes (n, k) int32 levels and packs them to (n, k/2) uint8, in blocks of
-                # 64 rows: convert in place a block at a time, so that packing needs no memory to speak of
-                for r in range(0, self.out_features, 64):
-                    levels = unpack_int4(self.weight[r: r + 64]).to(torch.int32)
-                    self.weight[r: r + 64] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+            self.weight, scales_and_zeros = int4_kernel_layout(kernel, self.weight, self.scales, self.mins)
+            self.register_buffer("scales_and_zeros", scales_and_zeros)
         del self.scales, self.mins
         self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if self.padded_in != self.in_features:
-            x = F.pad(x, (0, self.padded_in - self.in_features))
-        if self.kernel == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(x.bfloat16(), self.weight, self.groupsize, self.scales_and_zeros)
-        elif self.kernel == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), self.weight, self.groupsize,
-                                                            self.scales_and_zeros)
-        else:
+        x = F.pad(x.reshape(-1, shape[-1]), (0, self.padded_in - self.in_features))
+        if self.kernel == "dequantize":
             y = F.linear(x.bfloat16(), self.weight_bf16)
+        else:
+            y = int4_matmul(self.kernel, x, self.weight, self.groupsize, self.scales_and_zeros)
         y = y if self.bias is None else y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
+    """The neutral layout, (n, k/2) packed levels and (n, k/groupsize) scales and mins, in `kernel`'s:
+    tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2)."""
+    # tinygemm dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale
+    zeros = mins.float() + 8 * scales.float()
+    scales_and_zeros = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16()
+    if kernel == "cuda":
+        inner_k_tiles = next(t for t in (8, 4, 2) if 2 * weight.shape[1] % (t * 16) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(weight, inner_k_tiles), scales_and_zeros
+    # the CPU kernel takes (n, k) int32 levels and packs them to (n, k/2) uint8, in blocks of 64 rows:
+    # convert in place a block at a time, so that packing needs no memory to speak of
+    for r in range(0, weight.shape[0], 64):
+        weight[r: r + 64] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight[r: r + 64]).int(), 1)
+    return weight, scales_and_zeros
+
+
+def int4_matmul(kernel: str, x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
+    """x (m, k) times a weight packed for `kernel`, in bf16."""
+    if kernel == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x.bfloat16(), weight, groupsize, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight, groupsize, scales_and_zeros)
 
 
 class Int8ExpertLinears(ExpertLinears):
@@ -185,22 +193,54 @@ class Int8ExpertLinears(ExpertLinears):
 
 
 class Int4ExpertLinears(ExpertLinears):
-    """A MoE layer's stacked experts in int4, the file's layout (k padded to whole groups): weight
-    (n_experts, n, k/2), scales and mins (n_experts, n, k/groupsize). Dequantized as read, like int8's."""
+    """A MoE layer's stacked experts in int4: weight (n_experts, n, k/2), scales and mins (n_experts, n,
+    k/groupsize) as in the file (k padded to whole groups), then each expert packed for the device's
+    int4 kernel. A few rows (decoding) each take their expert's packed bytes; rows sorted by expert go
+    through each expert's kernel once."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, groupsize: int, dtype=torch.bfloat16,
                  device=None):
         nn.Module.__init__(self)
-        self.in_features = in_features
-        padded = -(-in_features // groupsize) * groupsize
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.padded_in = -(-in_features // groupsize) * groupsize
         shape = (n_experts, out_features)
-        self.register_buffer("weight", torch.empty(*shape, padded // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(*shape, padded // groupsize, dtype=dtype, device=device))
-        self.register_buffer("mins", torch.empty(*shape, padded // groupsize, dtype=dtype, device=device))
+        self.register_buffer("weight", torch.empty(*shape, self.padded_in // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(*shape, self.padded_in // groupsize, dtype=dtype, device=device))
+        self.register_buffer("mins", torch.empty(*shape, self.padded_in // groupsize, dtype=dtype, device=device))
+        self.kernel = None  # as Int4Linear's
 
-    def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
-        e = slice(None) if experts is None else experts
-        return dequantize_int4(self.weight[e], self.scales[e], self.mins[e], dtype)[..., : self.in_features]
+    def pack(self, kernel: str):
+        if kernel == "dequantize":  # bf16 experts, computed as ExpertLinears computes them
+            self.weight = dequantize_int4(self.weight, self.scales, self.mins, torch.bfloat16)[..., : self.in_features]
+        else:
+            packed = [int4_kernel_layout(kernel, *expert) for expert in zip(self.weight, self.scales, self.mins)]
+            self.weight = torch.stack([weight for weight, _ in packed])
+            self.register_buffer("scales_and_zeros", torch.stack([sz for _, sz in packed]))
+        del self.scales, self.mins
+        self.kernel = kernel
+
+    def forward(self, x: Tensor, experts: Tensor, ends: Tensor | None = None) -> Tensor:
+        assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
+        if self.kernel == "dequantize":
+            return super().forward(x, experts, ends)
+        x = F.pad(x, (0, self.padded_in - self.in_features))
+        if ends is None:  # a few rows, each through its own expert's packed weights (gathered by index)
+            return torch.cat([self.expert_matmul(x[p: p + 1], experts[p: p + 1]) for p in range(x.shape[0])])
+        if not torch.compiler.is_compiling():  # rows sorted by expert: each expert's rows in one product
+            bounds = [0, *ends.tolist()]
+            return torch.cat([self.expert_matmul(x[a:b], e) for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a])
+        # compiled code cannot slice by the data: every expert over all the rows, each row keeping its own
+        y = x.new_zeros(x.shape[0], self.out_features)
+        for e in range(self.weight.shape[0]):
+            y = torch.where((experts == e).unsqueeze(1), self.expert_matmul(x, e), y)
+        return y
+
+    def expert_matmul(self, x: Tensor, expert: int | Tensor) -> Tensor:
+        """x (m, k) through one expert: an index, or a 1-element tensor of one (no host sync)."""
+        weight, scales_and_zeros = self.weight[expert], self.scales_and_zeros[expert]
+        if isinstance(expert, Tensor):
+            weight, scales_and_zeros = weight[0], scales_and_zeros[0]
+        return int4_matmul(self.kernel, x, weight, self.groupsize, scales_and_zeros).to(x.dtype)
 
 
 def int8_kernel(device: torch.device) -> str:
@@ -251,12 +291,12 @@ def pack_for_device(model: Transformer):
     from tqdm import tqdm
 
     fallbacks = []
-    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    int4 = [m for m in model.modules() if isinstance(m, (Int4Linear, Int4ExpertLinears))]
     progress = tqdm(total=len(int4), desc="packing int4 weights", unit="layer", leave=False, disable=not int4)
     for name, m in model.named_modules():
         if isinstance(m, Int8Linear) and m.kernel is None:
             m.pack(int8_kernel(m.weight.device))
-        elif isinstance(m, Int4Linear) and m.kernel is None:
+        elif isinstance(m, (Int4Linear, Int4ExpertLinears)) and m.kernel is None:
             progress.update()
             kernel = int4_kernel(m.weight.device, m.out_features)
             m.pack(kernel)

@@ -45,7 +45,7 @@ import tp
 from checkpoint import load_config
 from convert import bundled_gguf, hf_names
 from errors import UserError, run_cli
-from model import ModelArgs, Transformer
+from model import ModelArgs, MoEFeedForward, Transformer
 
 
 def timed(fn, device) -> float:
@@ -77,9 +77,13 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
 
 
 def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_bytes: int = 256 << 20) -> float:
-    """Summed linear(x, w) time at M=1 over every weight of the model, each shape timed on rotating
-    copies that together exceed the caches."""
+    """Summed linear(x, w) time at M=1 over every weight of the model that a step reads (of a MoE
+    layer's experts, the active ones), each shape timed on rotating copies that together exceed the caches."""
     shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            for experts in (m.w13, m.w2):
+                shapes[tuple(experts.weight.shape[1:])] += m.top_k
     dtype = model.output.weight.dtype
     total = 0.0
     for (n, k), count in shapes.items():

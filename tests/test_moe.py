@@ -49,10 +49,10 @@ def poison_unselected_experts(model: Transformer, x: torch.Tensor, pos: torch.Te
         chosen = m.router(hidden.reshape(-1, hidden.shape[-1])).topk(m.top_k, dim=-1).indices.unique()
         others = [e for e in range(m.n_experts) if e not in chosen]
         for layer in (m.w13, m.w2):
-            for name in ("weight", "scales"):  # the int formats' weights cannot hold NaN: their scales do
-                t = getattr(layer, name, None)
-                if t is not None and t.is_floating_point():
-                    t.data[others] = float("nan")
+            tensors = [t for t in [*layer.parameters(), *layer.buffers()] if t.is_floating_point()]
+            assert tensors  # the int formats' weights cannot hold NaN: their scales do
+            for t in tensors:
+                t.data[others] = float("nan")
         poisoned += len(others)
     return poisoned
 
