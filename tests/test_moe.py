@@ -135,3 +135,26 @@ def test_tp_refuses_expert_mlps_that_do_not_split():
     check_divisible(config, 2)
     with pytest.raises(UserError, match="experts' MLPs of 48.*world sizes that work: \\[1, 2\\]"):
         check_divisible(config, 4)
+
+
+def test_int4_experts_shard_over_two_ranks(tmp_path):
+    """An int4 Mixtral's stacked experts (packed levels, per-group scales and mins) split by hidden
+    units over 2 gloo ranks: the same tokens as one process, logits within the int4 kernel's bf16."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from convert import convert_hf_checkpoint
+    from tests.test_families import build, relative_error
+    from tests.tp_worker import run_ids_case
+
+    build("mixtral", tmp_path)
+    path = str(quantize.quantize(convert_hf_checkpoint(tmp_path), "int4", 32))
+    out = tmp_path / "out.pt"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "tests/tp_worker.py", "--ids", str(out), path],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sharded, alone = torch.load(out)[path], run_ids_case(path)
+    assert sharded["local_heads"] == 2 and sharded["tokens"] == alone["tokens"]
+    assert relative_error(sharded["logits"], alone["logits"]) <= 1e-2
