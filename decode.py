@@ -55,8 +55,28 @@ def sample_from(probs: Tensor) -> Tensor:
 def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
     """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
     of each row, (B, 1)."""
-    logits = model(idx, prompt_positions(lengths, idx.shape[1], model.chunk), last=lengths - 1)  # (B, 1, V)
-    return sample(logits[:, 0], **sampling)
+    return sample(prefill_logits(model, idx, lengths)[:, 0], **sampling)
+
+
+def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor) -> Tensor:
+    """Fill the cache with the prompts, `model.chunk` positions a forward, so that activation memory is
+    bounded by the chunk whatever the prompt's length, and compiled prefill sees a few shapes only.
+    Returns the logits of each row's last prompt position, (B, 1, V)."""
+    T = idx.shape[1]
+    positions, last = prompt_positions(lengths, T, model.chunk), lengths - 1
+    logits = None
+    for start in range(0, T, model.chunk):
+        end = min(start + model.chunk, T)
+        # each row's logits come from the chunk that holds its last position
+        chunk_logits = prefill_chunk(model, idx[:, start:end], positions[:, start:end], (last - start).clamp(0, end - start - 1))
+        mine = ((last >= start) & (last < end)).view(-1, 1, 1)
+        logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
+    return logits
+
+
+def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor) -> Tensor:
+    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,)."""
+    return model(idx, input_pos, last=last)
 
 
 def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:
@@ -77,13 +97,13 @@ def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, *
 
 
 def compile_steps(dynamic_prefill: bool = False):
-    """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill for any prompt length.
-    Once per process: they stay compiled for every model."""
-    global decode_one_token, prefill
+    """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill's forward of one chunk
+    for any chunk length. Once per process: they stay compiled for every model."""
+    global decode_one_token, prefill_chunk
     # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
     decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
     if dynamic_prefill:
-        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+        prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
 
 
 def padded_length(n: int, context: int) -> int:

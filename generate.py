@@ -115,7 +115,8 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
 
     With a drafter (speculative.DraftModel, PromptLookup) it decodes speculatively: several tokens
     a target forward; `stats` then receives the acceptance counts. prefill_chunk: the most positions a
-    forward takes into a sliding-window layer's cache, which holds the window + this many.
+    forward takes (prefill goes through the prompt in chunks of it; a sliding-window layer's cache
+    holds the window + this many).
 
     What is guaranteed: in fp32, a prompt gives the same tokens alone, in a batch, and speculatively.
     In bf16 the logits agree up to rounding (a batch or a verify step sums in another order), so a
@@ -256,7 +257,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
             speculative.compile_steps()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.interactive:
-        return chat(model, tokenizer, args.max_new_tokens, sampling)
+        return chat(model, tokenizer, args.max_new_tokens, sampling, args.prefill_chunk)
 
     use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
@@ -272,7 +273,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         stats = {}
         with profiler(args.profile) if profiling else contextlib.nullcontext():
             outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling, stop_ids=stop_ids,
-                               drafter=drafter, speculate_k=args.speculate_k, stats=stats)
+                               drafter=drafter, speculate_k=args.speculate_k, stats=stats,
+                               prefill_chunk=args.prefill_chunk)
         synchronize(device)
         seconds = time.perf_counter() - t0
         if i < 0:
@@ -337,7 +339,7 @@ def profiler(path: str):
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
-def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict):
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict, prefill_chunk: int):
     """A multi-turn chat in the model's template, printing tokens as they come."""
     if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
@@ -356,7 +358,7 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
             raise UserError("the dialog has reached the model's context length")
         # the cache grows with the dialog by doubling, so that compiled decoding recompiles rarely
         needed = len(prompt) + budget
-        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size))
+        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size), prefill_chunk)
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -368,7 +370,8 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
                 print(text[len(printed):], end="", flush=True)
                 printed = text
 
-        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **sampling)
+        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, prefill_chunk=prefill_chunk,
+                 **sampling)
         print()
         messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
 
@@ -403,11 +406,15 @@ def parse_args(argv=None):
     p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
     p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
+    p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
+                   help="prompt positions a prefill forward takes: activation memory is bounded by it")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--profile", default=None, metavar="TRACE.json",
                    help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
+    if args.prefill_chunk < 1:
+        p.error("--prefill_chunk must be at least 1")
     if args.compile_prefill and not args.compile:
         p.error("--compile_prefill goes with --compile")
     if args.draft and args.draft_checkpoint_path:

@@ -53,13 +53,48 @@ def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
     prompt = encode(bundled_checkpoint, PROMPTS[2:])[0]
     eager = generate(model, prompt, 24, temperature=0)
     monkeypatch.setattr(decode, "decode_one_token", decode.decode_one_token)  # restored after the test
-    monkeypatch.setattr(decode, "prefill", decode.prefill)
+    monkeypatch.setattr(decode, "prefill_chunk", decode.prefill_chunk)
     cpu_decode.apply(model)
     decode.compile_steps()
     compiled = generate(model, prompt, 24, temperature=0)
     assert compiled.tolist() == eager.tolist()
     # a second call reuses the compiled graph and the cache
     assert generate(model, prompt, 24, temperature=0).tolist() == eager.tolist()
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_one_forward(model_fp32):
+    """Prompts prefilled 8 positions a forward leave the logits and the cache of one forward over
+    all of them (fp32), with rows ending before, on and after chunk boundaries."""
+    lengths = torch.tensor([7, 8, 9, 17])
+    idx = torch.randint(0, 1000, (4, 17), generator=torch.Generator().manual_seed(0))
+    results = []
+    for chunk in (8, 64):
+        model_fp32.setup_caches(4, 64, chunk)
+        logits = decode.prefill_logits(model_fp32, idx, lengths)
+        caches = [layer.attention.kv_cache.k_cache.clone() for layer in model_fp32.layers[::10]]
+        results.append((logits, [[c[row, :, :n] for row, n in enumerate(lengths)] for c in caches]))
+    (chunked, chunked_caches), (whole, whole_caches) = results
+    assert ((chunked - whole).abs().max() / whole.abs().max()).item() <= 1e-5
+    for chunked_rows, whole_rows in zip(chunked_caches, whole_caches):
+        for a, b in zip(chunked_rows, whole_rows):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_prefill_compiles_once_for_prompts_of_any_length(monkeypatch):
+    """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
+    shapes: prompts of several lengths, each filled in chunks, share one graph."""
+    from model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, block_size=128)).eval()
+    graphs = []
+    monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
+        decode.prefill_chunk, fullgraph=True, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm))
+    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=8) for n in (10, 13, 20, 30)]
+    assert len(graphs) == 1
+    monkeypatch.undo()
+    assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0,
+                                                      prefill_chunk=8).tolist() for n in (10, 13, 20, 30)]
 
 
 def test_stop_tokens_end_each_row(model_fp32, bundled_checkpoint):
