@@ -28,6 +28,7 @@ from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +107,8 @@ def default_device() -> str:
 def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_ids: list[int] | None = None, callback=None, drafter: speculative.Drafter | None = None,
-             speculate_k: int = 5, stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK
-             ) -> Tensor | list[Tensor]:
+             speculate_k: int = 5, stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
+             kv_cache_dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
     """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
     Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
     token. callback, if given, is called after each step with one list of new token ids per row:
@@ -116,7 +117,8 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     With a drafter (speculative.DraftModel, PromptLookup) it decodes speculatively: several tokens
     a target forward; `stats` then receives the acceptance counts. prefill_chunk: the most positions a
     forward takes (prefill goes through the prompt in chunks of it; a sliding-window layer's cache
-    holds the window + this many).
+    holds the window + this many). kv_cache_dtype: the cache's (None: the model's; torch.int8: half
+    bf16's bytes, model.KVCache).
 
     What is guaranteed: in fp32, a prompt gives the same tokens alone, in a batch, and speculatively.
     In bf16 the logits agree up to rounding (a batch or a verify step sums in another order), so a
@@ -128,13 +130,15 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     if drafter is not None:
         outputs = speculative.speculative_generate(model, prompts, max_new_tokens, drafter, speculate_k=speculate_k,
                                                    stop_ids=stop_ids, callback=callback, stats=stats,
-                                                   prefill_chunk=prefill_chunk, **sampling)
+                                                   prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype,
+                                                   **sampling)
         return outputs[0] if single else outputs
     device = next(model.parameters()).device
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lengths.max())
-    model.setup_caches(B, decode.padded_length(T + max_new_tokens, model.config.block_size), prefill_chunk)
+    model.setup_caches(B, decode.padded_length(T + max_new_tokens, model.config.block_size), prefill_chunk,
+                       kv_cache_dtype)
 
     # Right-pad and prefill from position 0: each row's cache then holds exactly its own prompt; the
     # padding's cache entries lie beyond the row's position and are overwritten as it decodes
@@ -256,8 +260,9 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         if drafter is not None:
             speculative.compile_steps()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    cache = dict(prefill_chunk=args.prefill_chunk, kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
     if args.interactive:
-        return chat(model, tokenizer, args.max_new_tokens, sampling, args.prefill_chunk)
+        return chat(model, tokenizer, args.max_new_tokens, sampling, cache)
 
     use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
@@ -274,7 +279,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         with profiler(args.profile) if profiling else contextlib.nullcontext():
             outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling, stop_ids=stop_ids,
                                drafter=drafter, speculate_k=args.speculate_k, stats=stats,
-                               prefill_chunk=args.prefill_chunk)
+                               **cache)
         synchronize(device)
         seconds = time.perf_counter() - t0
         if i < 0:
@@ -339,7 +344,7 @@ def profiler(path: str):
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
-def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict, prefill_chunk: int):
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict, cache: dict):
     """A multi-turn chat in the model's template, printing tokens as they come."""
     if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
@@ -358,7 +363,8 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
             raise UserError("the dialog has reached the model's context length")
         # the cache grows with the dialog by doubling, so that compiled decoding recompiles rarely
         needed = len(prompt) + budget
-        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size), prefill_chunk)
+        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size), cache["prefill_chunk"],
+                           cache["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -370,8 +376,7 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
                 print(text[len(printed):], end="", flush=True)
                 printed = text
 
-        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, prefill_chunk=prefill_chunk,
-                 **sampling)
+        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **cache, **sampling)
         print()
         messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
 
@@ -408,6 +413,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
     p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt positions a prefill forward takes: activation memory is bounded by it")
+    p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="the KV cache's dtype (default: --precision's); int8 stores half bf16's bytes")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--profile", default=None, metavar="TRACE.json",

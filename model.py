@@ -98,22 +98,36 @@ class ModelArgs:
 
 class KVCache(nn.Module):
     """Keys and values by position: position p lives in slot p % length. A full cache has a slot for
-    every position; a sliding-window layer's is a ring of fewer slots, which keeps the last ones."""
+    every position; a sliding-window layer's is a ring of fewer slots, which keeps the last ones.
 
-    def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None):
+    Stored in `store_dtype`: the model's dtype, another float, or int8, where each key and each value
+    vector (one token's head) is rounded to levels of its own scale, half the bytes of bf16; read
+    back in the model's dtype (compiled decoding fuses that into attention's pass over the cache)."""
+
+    def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None, store_dtype=None):
         super().__init__()
         shape = (max_batch_size, n_heads, length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.dtype, store_dtype = dtype, store_dtype or dtype
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
+        if store_dtype == torch.int8:  # a scale per token and head: (B, n_heads, length, 1)
+            self.register_buffer("k_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # input_pos: (B, T); k, v: (B, T, n_kv, hd). Each row writes at its own positions; what lies
         # in the other slots is masked by position (attention_mask) until it is overwritten.
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
         slots = input_pos % self.k_cache.shape[2]
-        self.k_cache[rows, :, slots] = k
-        self.v_cache[rows, :, slots] = v
-        return self.k_cache, self.v_cache
+        if self.k_cache.dtype != torch.int8:
+            self.k_cache[rows, :, slots] = k.to(self.k_cache.dtype)
+            self.v_cache[rows, :, slots] = v.to(self.v_cache.dtype)
+            return self.k_cache.to(self.dtype), self.v_cache.to(self.dtype)
+        for cache, scales, x in ((self.k_cache, self.k_scales, k), (self.v_cache, self.v_scales, v)):
+            scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)  # (B, T, n_kv, 1)
+            cache[rows, :, slots] = torch.round(x.float() / scale).to(torch.int8)
+            scales[rows, :, slots] = scale.to(self.dtype)
+        return self.k_cache.to(self.dtype) * self.k_scales, self.v_cache.to(self.dtype) * self.v_scales
 
 
 class Transformer(nn.Module):
@@ -129,10 +143,13 @@ class Transformer(nn.Module):
         self.max_batch_size = -1
         self.max_seq_length = -1
         self.chunk = -1
+        self.kv_cache_dtype = None
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, chunk: int = PREFILL_CHUNK):
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, chunk: int = PREFILL_CHUNK,
+                     kv_cache_dtype: torch.dtype | None = None):
         """Allocate the static KV cache and the RoPE tables for at least max_seq_length positions
-        (a larger cache from before is kept: a new shape would cost compiled code a recompile).
+        (a larger cache from before is kept: a new shape would cost compiled code a recompile). The
+        cache is stored in kv_cache_dtype (None: the model's dtype; torch.int8: see KVCache).
 
         A sliding-window layer's cache is a ring of window + chunk slots, and a forward then takes at
         most `chunk` new positions at a time (longer inputs go through in chunks): each of them may
@@ -140,16 +157,18 @@ class Transformer(nn.Module):
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
-        if (max_batch_size, chunk) == (self.max_batch_size, self.chunk) and max_seq_length <= self.max_seq_length:
+        shape = (max_batch_size, chunk, kv_cache_dtype)
+        if shape == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and max_seq_length <= self.max_seq_length:
             return  # big enough; stale entries are masked by position, so the cache needs no clearing
-        self.max_batch_size, self.max_seq_length, self.chunk = max_batch_size, max_seq_length, chunk
+        self.max_batch_size, self.chunk, self.kv_cache_dtype = shape
+        self.max_seq_length = max_seq_length
         c = self.config
         weight = self.output.weight
         dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
         ring = min(max_seq_length, c.sliding_window + chunk) if c.sliding_window else max_seq_length
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length,
-                                               c.n_local_heads, c.head_dim, dtype, weight.device)
+                                               c.n_local_heads, c.head_dim, dtype, weight.device, kv_cache_dtype)
         # the position each cache slot holds: slot s of a full cache, position s (or a stale one past
         # the row's, masked); a ring's slots are tracked as they are written, -1 while empty
         positions = torch.arange(max_seq_length, device=weight.device).expand(max_batch_size, -1)

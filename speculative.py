@@ -49,7 +49,7 @@ class DraftModel(Drafter):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
-        self.model.setup_caches(tokens.shape[0], cache_length, target.chunk)
+        self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
         self.last_position = cache_length - 1
         T = int(prompt_lengths.max())
         decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
@@ -105,7 +105,8 @@ class PromptLookup(Drafter):
 def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_tokens: int, drafter: Drafter, *,
                          speculate_k: int = 5, temperature: float = 0.0, top_k: int | None = None,
                          top_p: float | None = None, stop_ids: list[int] | None = None, callback=None,
-                         stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK) -> list[Tensor]:
+                         stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                         kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
     receives the counts of accepted drafts per row and round."""
     if not isinstance(drafter, Drafter):
@@ -121,7 +122,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     cache_length = decode.padded_length(T + max_new_tokens, model.config.block_size)
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
-    model.setup_caches(B, cache_length, prefill_chunk)
+    model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     # tokens: every row's text so far, right-padded, with room for a round's k + 1 tokens past the

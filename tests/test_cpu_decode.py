@@ -33,6 +33,7 @@ VARIANTS = {
     "Mixtral: 4 experts, top 2": dict(GQA, n_experts=4, n_active_experts=2, moe_intermediate_size=32),
     "Qwen3-MoE: a dense layer among routed ones": dict(GQA, qk_norm=True, n_experts=4, moe_layers=[1],
                                                        moe_intermediate_size=32),
+    "an int8 KV cache": dict(GQA, kv_cache_dtype=torch.int8),
     "OLMoE: q/k norms over all heads, top 3 of 8 not renormalized": dict(
         GQA, qk_norm=True, qk_norm_per_head=False, n_experts=8, n_active_experts=3, normalize_expert_weights=False),
 }
@@ -46,9 +47,11 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @torch.no_grad()
 def test_compiled_cpu_decode_equals_a_full_forward(variant):
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, block_size=128, **VARIANTS[variant])).eval()
+    args = dict(VARIANTS[variant])
+    kv_cache_dtype = args.pop("kv_cache_dtype", None)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, block_size=128, **args)).eval()
     ids = torch.randint(0, 64, (2, 24))
-    model.setup_caches(2, 64, chunk=CHUNK)
+    model.setup_caches(2, 64, chunk=CHUNK, kv_cache_dtype=kv_cache_dtype)
     reference = model(ids, torch.arange(24))  # one eager forward over every position, CHUNK at a time
 
     cpu_decode.apply(model)
