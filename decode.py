@@ -68,7 +68,8 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor) -> Tensor:
     for start in range(0, T, model.chunk):
         end = min(start + model.chunk, T)
         # each row's logits come from the chunk that holds its last position
-        chunk_logits = prefill_chunk(model, idx[:, start:end], positions[:, start:end], (last - start).clamp(0, end - start - 1))
+        in_chunk_last = (last - start).clamp(0, end - start - 1)
+        chunk_logits = prefill_chunk(model, idx[:, start:end], positions[:, start:end], in_chunk_last)
         mine = ((last >= start) & (last < end)).view(-1, 1, 1)
         logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
     return logits

@@ -260,7 +260,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         if drafter is not None:
             speculative.compile_steps()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    cache = dict(prefill_chunk=args.prefill_chunk, kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
+    cache = dict(prefill_chunk=args.prefill_chunk,
+                 kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
     if args.interactive:
         return chat(model, tokenizer, args.max_new_tokens, sampling, cache)
 

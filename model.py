@@ -157,10 +157,10 @@ class Transformer(nn.Module):
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
-        shape = (max_batch_size, chunk, kv_cache_dtype)
-        if shape == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and max_seq_length <= self.max_seq_length:
+        settings = (max_batch_size, chunk, kv_cache_dtype)
+        if settings == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and max_seq_length <= self.max_seq_length:
             return  # big enough; stale entries are masked by position, so the cache needs no clearing
-        self.max_batch_size, self.chunk, self.kv_cache_dtype = shape
+        self.max_batch_size, self.chunk, self.kv_cache_dtype = settings
         self.max_seq_length = max_seq_length
         c = self.config
         weight = self.output.weight

@@ -146,7 +146,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         shape = x.shape
-        x = F.pad(x.reshape(-1, shape[-1]), (0, self.padded_in - self.in_features))
+        x = x.reshape(-1, shape[-1])
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
         if self.kernel == "dequantize":
             y = F.linear(x.bfloat16(), self.weight_bf16)
         else:
@@ -184,7 +186,8 @@ class Int8ExpertLinears(ExpertLinears):
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, dtype=torch.bfloat16, device=None):
         nn.Module.__init__(self)
-        self.register_buffer("weight", torch.empty(n_experts, out_features, in_features, dtype=torch.int8, device=device))
+        shape = (n_experts, out_features, in_features)
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(n_experts, out_features, dtype=dtype, device=device))
 
     def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -223,12 +226,14 @@ class Int4ExpertLinears(ExpertLinears):
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         if self.kernel == "dequantize":
             return super().forward(x, experts, ends)
-        x = F.pad(x, (0, self.padded_in - self.in_features))
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
         if ends is None:  # a few rows, each through its own expert's packed weights (gathered by index)
             return torch.cat([self.expert_matmul(x[p: p + 1], experts[p: p + 1]) for p in range(x.shape[0])])
         if not torch.compiler.is_compiling():  # rows sorted by expert: each expert's rows in one product
             bounds = [0, *ends.tolist()]
-            return torch.cat([self.expert_matmul(x[a:b], e) for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a])
+            return torch.cat([self.expert_matmul(x[a:b], e)
+                              for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a])
         # compiled code cannot slice by the data: every expert over all the rows, each row keeping its own
         y = x.new_zeros(x.shape[0], self.out_features)
         for e in range(self.weight.shape[0]):
@@ -332,7 +337,8 @@ def quantized_group(name: str, read, shape: tuple, scheme: dict, gptq=None) -> G
     g = scheme["groupsize"]
     padded = -(-k // g) * g
     specs = [(f"{base}.weight", torch.uint8, (*rows, padded // 2)),
-             (f"{base}.scales", torch.bfloat16, (*rows, padded // g)), (f"{base}.mins", torch.bfloat16, (*rows, padded // g))]
+             (f"{base}.scales", torch.bfloat16, (*rows, padded // g)),
+             (f"{base}.mins", torch.bfloat16, (*rows, padded // g))]
 
     def make():
         if gptq:

@@ -72,9 +72,10 @@ def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None)
     if not fits(world):
         sizes = [w for w in range(1, config.n_head + 1) if fits(w)]
         experts = f", experts' MLPs of {config.moe_intermediate_size}" if config.n_experts else ""
+        groups = f", int4 groups of {groupsize}" if groupsize else ""
         raise UserError(f"this model ({config.n_head} heads, {config.n_local_heads} key/value heads, MLP of "
-                        f"{config.intermediate_size}{experts}{f', int4 groups of {groupsize}' if groupsize else ''}) does not "
-                        f"split {world} ways; world sizes that work: {sizes}")
+                        f"{config.intermediate_size}{experts}{groups}) does not split {world} ways; world sizes "
+                        f"that work: {sizes}")
 
 
 def local_config(config: ModelArgs, world: int) -> ModelArgs:

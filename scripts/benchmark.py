@@ -106,7 +106,8 @@ def hf_family(c: ModelArgs) -> tuple[str, dict]:
         moe = dict(num_local_experts=c.n_experts, num_experts=c.n_experts, num_experts_per_tok=c.n_active_experts,
                    norm_topk_prob=c.normalize_expert_weights)
         if not c.qk_norm:
-            return "MixtralForCausalLM", dict(moe, intermediate_size=c.moe_intermediate_size, sliding_window=c.sliding_window)
+            return "MixtralForCausalLM", dict(moe, intermediate_size=c.moe_intermediate_size,
+                                              sliding_window=c.sliding_window)
         if not c.qk_norm_per_head:
             return "OlmoeForCausalLM", dict(moe, intermediate_size=c.moe_intermediate_size)
         return "Qwen3MoeForCausalLM", dict(moe, moe_intermediate_size=c.moe_intermediate_size,
@@ -187,7 +188,8 @@ def dense_twin(c: ModelArgs, args) -> Transformer:
     the experts a token goes through, random weights."""
     if not c.n_experts:
         raise UserError(f"--dense-twin needs a mixture-of-experts --model; {args.model} is dense")
-    config = dataclasses.replace(c, n_experts=0, moe_layers=None, intermediate_size=c.n_active_experts * c.moe_intermediate_size)
+    config = dataclasses.replace(c, n_experts=0, moe_layers=None,
+                                 intermediate_size=c.n_active_experts * c.moe_intermediate_size)
     return randomized(Transformer(config).to(device=args.device, dtype=gen.PRECISIONS[args.precision]))
 
 
