@@ -10,6 +10,9 @@ from torch import Tensor
 
 from model import Transformer
 
+# a forward reads the caches' slots in blocks of this many: those below its last position, rounded up
+KV_BLOCK = 256
+
 
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
                     top_p: float | None = None) -> Tensor:
@@ -69,15 +72,20 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor) -> Tensor:
         end = min(start + model.chunk, T)
         # each row's logits come from the chunk that holds its last position
         in_chunk_last = (last - start).clamp(0, end - start - 1)
-        chunk_logits = prefill_chunk(model, idx[:, start:end], positions[:, start:end], in_chunk_last)
+        # copies with strides of their own (a slice keeps the whole row's), so that compiled prefill
+        # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
+        # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
+        ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
+        chunk_logits = prefill_chunk(model, ids, pos, in_chunk_last, key_positions(model, end))
         mine = ((last >= start) & (last < end)).view(-1, 1, 1)
         logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
     return logits
 
 
-def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor) -> Tensor:
-    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,)."""
-    return model(idx, input_pos, last=last)
+def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor) -> Tensor:
+    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,).
+    keys: key_positions()."""
+    return model(idx, input_pos, last=last, key_positions=keys)
 
 
 def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:
@@ -91,16 +99,37 @@ def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:
     return torch.where(columns < end, columns, end + (columns - end) % chunk)
 
 
-def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, **sampling) -> Tensor:
-    """cur_token: (B, 1); input_pos: (B, 1), each row's own position. Returns the next tokens (B, 1)."""
-    logits = model(cur_token, input_pos)  # (B, 1, V)
+def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, keys: Tensor, **sampling) -> Tensor:
+    """cur_token: (B, 1); input_pos: (B, 1), each row's own position; keys: key_positions() above
+    all of them. Returns the next tokens (B, 1)."""
+    logits = model(cur_token, input_pos, key_positions=keys)  # (B, 1, V)
     return sample(logits[:, -1], **sampling)
+
+
+def key_positions(model: Transformer, n: int) -> Tensor:
+    """The cache slots a forward reads when all its positions lie below n: the first n slots of the
+    full caches, rounded up to a block of KV_BLOCK (at most all of them), as the positions they hold
+    (B, n'). So a step's cost follows the depth, and a cache sized for the whole context does not
+    slow a short text. The length is marked dynamic: compiled code makes one graph for every depth
+    (on GPU, CUDA graphs record one replay per block count, without recompiling)."""
+    keys = model.positions[:, : min(-(-n // KV_BLOCK) * KV_BLOCK, model.max_seq_length)]
+    torch._dynamo.maybe_mark_dynamic(keys, 1)
+    return keys
 
 
 def compile_steps(dynamic_prefill: bool = False):
     """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill's forward of one chunk
     for any chunk length. Once per process: they stay compiled for every model."""
     global decode_one_token, prefill_chunk
+    # On GPU, inductor turns a one-row matmul into a multiply-and-sum (torch/_inductor/decomposition.py,
+    # mm) only with coordinate-descent tuning on: a matrix-vector kernel that reaches the memory's
+    # bandwidth, and the form into which an int8 weight's conversion fuses, read once as int8 (else
+    # each step would write a bf16 copy of every weight first). Inductor's CPU code ignores both.
+    torch._inductor.config.coordinate_descent_tuning = True
+    torch._inductor.config.triton.unique_kernel_names = True  # a profile names each kernel by what it does
+    torch._inductor.config.fx_graph_cache = True  # a later run reuses this one's compiled graphs
+    # a CUDA graph per count of key blocks read (key_positions) is the design, not a mistake to warn of
+    torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
     # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
     decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
     if dynamic_prefill:

@@ -24,11 +24,11 @@ import speculative
 import tp
 from checkpoint import load_config, read_metadata, read_safetensors, resolve_checkpoint
 from errors import UserError, run_cli
-from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer
+from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer, check_kv_cache_dtype
 from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8}
+KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
         decode.stream(callback, next_token, torch.ones_like(done))
     for step in range(1, max_new_tokens):
         # clone: CUDA graphs reuse their output buffers on the next replay
-        next_token = decode.decode_one_token(model, next_token, input_pos, **sampling).clone()
+        keys = decode.key_positions(model, T + step)  # the latest position is T + step - 1
+        next_token = decode.decode_one_token(model, next_token, input_pos, keys, **sampling).clone()
         input_pos = input_pos + 1
         new_tokens.append(next_token)
         if callback:  # streaming looks at the host every step anyway
@@ -308,6 +309,8 @@ def check_run_args(args, device: str, world_size: int):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}, but this PyTorch has no CUDA device: leave out --device, or install "
                         f"PyTorch's CUDA build")
+    if args.kv_cache_dtype:
+        check_kv_cache_dtype(KV_CACHE_DTYPES[args.kv_cache_dtype], torch.device(device))
     if args.batch_size < 1 or args.num_samples < 1:
         raise UserError("--batch_size and --num_samples must be at least 1")
     if args.interactive and world_size > 1:
@@ -362,10 +365,9 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
         budget = min(max_new_tokens, model.config.block_size - len(prompt))
         if budget < 1:
             raise UserError("the dialog has reached the model's context length")
-        # the cache grows with the dialog by doubling, so that compiled decoding recompiles rarely
-        needed = len(prompt) + budget
-        model.setup_caches(1, min(1 << (needed - 1).bit_length(), model.config.block_size), cache["prefill_chunk"],
-                           cache["kv_cache_dtype"])
+        # the cache holds the whole context from the first turn, so that compiled decoding never
+        # recompiles for a longer one; a step reads only the dialog's slots (decode.key_positions)
+        model.setup_caches(1, model.config.block_size, cache["prefill_chunk"], cache["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -415,7 +417,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt positions a prefill forward takes: activation memory is bounded by it")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
-                   help="the KV cache's dtype (default: --precision's); int8 stores half bf16's bytes")
+                   help="the KV cache's dtype (default: --precision's); int8 (and fp8 e4m3, on GPUs that have it) "
+                        "store half bf16's bytes")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--profile", default=None, metavar="TRACE.json",

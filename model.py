@@ -12,8 +12,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from errors import UserError
+
+# The fused attention kernels this code is tested with (tests/test_cuda.py checks them against the
+# math backend). Not cuDNN's, which PyTorch 2.11 prefers on H100, and which has had reports of wrong
+# results with few key/value heads.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # positions a forward takes at a time into a sliding-window layer's ring (Transformer.setup_caches)
 PREFILL_CHUNK = 256
@@ -96,13 +102,18 @@ class ModelArgs:
         return self.n_experts > 0 and layer in self.moe_layers
 
 
+# the scaled formats of the KV cache: each key and value vector (one token's head) stored as levels of
+# its own scale, the vector's largest magnitude mapped to the format's largest value
+SCALED_KV_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
 class KVCache(nn.Module):
     """Keys and values by position: position p lives in slot p % length. A full cache has a slot for
     every position; a sliding-window layer's is a ring of fewer slots, which keeps the last ones.
 
-    Stored in `store_dtype`: the model's dtype, another float, or int8, where each key and each value
-    vector (one token's head) is rounded to levels of its own scale, half the bytes of bf16; read
-    back in the model's dtype (compiled decoding fuses that into attention's pass over the cache)."""
+    Stored in `store_dtype`: the model's dtype, another float, or a scaled format (SCALED_KV_MAX:
+    int8, rounded to integer levels, or fp8 e4m3), half the bytes of bf16; read back in the model's
+    dtype (compiled decoding fuses that into attention's pass over the cache)."""
 
     def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None, store_dtype=None):
         super().__init__()
@@ -110,24 +121,28 @@ class KVCache(nn.Module):
         self.dtype, store_dtype = dtype, store_dtype or dtype
         self.register_buffer("k_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
-        if store_dtype == torch.int8:  # a scale per token and head: (B, n_heads, length, 1)
+        if store_dtype in SCALED_KV_MAX:  # a scale per token and head: (B, n_heads, length, 1)
             self.register_buffer("k_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # input_pos: (B, T); k, v: (B, T, n_kv, hd). Each row writes at its own positions; what lies
-        # in the other slots is masked by position (attention_mask) until it is overwritten.
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, n_read: int | None = None) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own; return the
+        first n_read slots of the caches (None: all), (B, n_kv, n_read, hd). What lies in slots a row
+        has not written is masked by position (attention_mask) until it is overwritten."""
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
         slots = input_pos % self.k_cache.shape[2]
-        if self.k_cache.dtype != torch.int8:
-            self.k_cache[rows, :, slots] = k.to(self.k_cache.dtype)
-            self.v_cache[rows, :, slots] = v.to(self.v_cache.dtype)
-            return self.k_cache.to(self.dtype), self.v_cache.to(self.dtype)
+        store = self.k_cache.dtype
+        if store not in SCALED_KV_MAX:
+            self.k_cache[rows, :, slots] = k.to(store)
+            self.v_cache[rows, :, slots] = v.to(store)
+            return self.k_cache[:, :, :n_read].to(self.dtype), self.v_cache[:, :, :n_read].to(self.dtype)
         for cache, scales, x in ((self.k_cache, self.k_scales, k), (self.v_cache, self.v_scales, v)):
-            scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)  # (B, T, n_kv, 1)
-            cache[rows, :, slots] = torch.round(x.float() / scale).to(torch.int8)
+            scale = (x.float().abs().amax(-1, keepdim=True) / SCALED_KV_MAX[store]).clamp(min=1e-8)  # (B, T, n_kv, 1)
+            levels = x.float() / scale
+            cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
             scales[rows, :, slots] = scale.to(self.dtype)
-        return self.k_cache.to(self.dtype) * self.k_scales, self.v_cache.to(self.dtype) * self.v_scales
+        return tuple(cache[:, :, :n_read].to(self.dtype) * scales[:, :, :n_read]
+                     for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
 
 
 class Transformer(nn.Module):
@@ -154,6 +169,9 @@ class Transformer(nn.Module):
         A sliding-window layer's cache is a ring of window + chunk slots, and a forward then takes at
         most `chunk` new positions at a time (longer inputs go through in chunks): each of them may
         overwrite only positions that no query of this forward or after it can see."""
+        if chunk < 1:
+            raise UserError(f"the prefill chunk must be at least 1 position, got {chunk}")
+        check_kv_cache_dtype(kv_cache_dtype, self.output.weight.device)
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
@@ -166,12 +184,15 @@ class Transformer(nn.Module):
         weight = self.output.weight
         dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
         ring = min(max_seq_length, c.sliding_window + chunk) if c.sliding_window else max_seq_length
+        # A full cache has one slot more than it is asked for, never written: a read of the first n
+        # slots (decode.key_positions) is then never the whole tensor, or compiled code, seeing the
+        # slice become contiguous at n == length, would compile a second graph for that one depth.
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length,
+            layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length + 1,
                                                c.n_local_heads, c.head_dim, dtype, weight.device, kv_cache_dtype)
         # the position each cache slot holds: slot s of a full cache, position s (or a stale one past
         # the row's, masked); a ring's slots are tracked as they are written, -1 while empty
-        positions = torch.arange(max_seq_length, device=weight.device).expand(max_batch_size, -1)
+        positions = torch.arange(max_seq_length + 1, device=weight.device).expand(max_batch_size, -1)
         self.register_buffer("positions", positions, persistent=False)
         if c.sliding_window:
             self.register_buffer("ring_positions", torch.full((max_batch_size, ring), -1, device=weight.device),
@@ -183,24 +204,31 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None,
+                key_positions: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
-        Returns logits (B, T, vocab_size); with last (B,), only those of each row's position last,
-        (B, 1, vocab_size): a prefill needs no more, and the head is the largest matmul of small models."""
-        x = self.hidden_states(idx, input_pos.expand(idx.shape))  # (B, T, dim)
+        Returns logits (B, T, vocab_size); with last (B,) or (B, n), only those at each row's indices
+        `last` into T, (B, 1 or n, vocab_size): a prefill needs no more, and the head is the largest
+        matmul of small models.
+
+        key_positions: the first n slots of self.positions (decode.key_positions), n above every
+        position of input_pos: attention then reads only those n slots of each full cache, so that
+        a step costs what the depth needs, not what the cache holds. None: the whole cache."""
+        x = self.hidden_states(idx, input_pos.expand(idx.shape), key_positions)  # (B, T, dim)
         if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
+            x = x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), last.view(x.shape[0], -1)]
         return softcap(self.output(self.norm(x)), self.config.logit_softcap)
 
-    def hidden_states(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
         """The last layer's output (B, T, dim), writing the KV cache at input_pos (B, T)."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
         B, T = idx.shape
         if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
-            return torch.cat([self.hidden_states(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk])
-                              for i in range(0, T, self.chunk)], dim=1)
-        full = self.rope_cache[input_pos], attention_mask(input_pos, self.positions)  # rope: (B, T, 2 * rope_dim)
+            return torch.cat([self.hidden_states(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk],
+                                                 key_positions) for i in range(0, T, self.chunk)], dim=1)
+        key_positions = self.positions if key_positions is None else key_positions  # (B, n)
+        full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
         if c.sliding_window:
             rows = torch.arange(B, device=idx.device).unsqueeze(1)
             self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
@@ -209,6 +237,13 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
         return x
+
+
+def check_kv_cache_dtype(dtype: torch.dtype | None, device: torch.device):
+    """fp8 needs a GPU that has it; every other format runs anywhere."""
+    if dtype == torch.float8_e4m3fn and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        raise UserError("an fp8 KV cache needs a GPU with fp8 (compute capability 8.9 or newer: Ada, Hopper, "
+                        "Blackwell): use --kv_cache_dtype int8 (torch.int8) here")
 
 
 def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None) -> Tensor:
@@ -264,13 +299,15 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
+        """x (B, T, dim) at input_pos (B, T); mask (B, 1, T, n) over the cache's first n slots, the
+        only ones read."""
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = apply_rope(self.normed_heads(self.q_norm, q, self.n_head), rope)  # (B, T, nh, hd)
         k = apply_rope(self.normed_heads(self.k_norm, k, self.n_local_heads), rope)  # (B, T, n_kv, hd)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
+        k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])  # (B, n_kv, n, hd)
         y = self.attend(q.transpose(1, 2), k, v, mask)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
@@ -284,8 +321,9 @@ class Attention(nn.Module):
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
         if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                  enable_gqa=nh != self.n_local_heads)
+            with sdpa_kernel(SDPA_BACKENDS):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                      enable_gqa=nh != self.n_local_heads)
         # written out (decoding, and soft-capped scores): each k/v head with its group of query heads
         # as the rows of one product, so that no head's keys are repeated
         n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]

@@ -62,9 +62,10 @@ class DraftModel(Drafter):
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         pos = torch.stack([lengths - 2, lengths - 1], dim=1)  # (B, 2)
         x = tokens[rows[:, None], pos]
+        keys = decode.key_positions(self.model, int(lengths.max()) + k)  # the last draft's position + 1
         drafts, probs = [], []
         for _ in range(k):
-            logits = draft_step(self.model, x, pos.clamp(max=self.last_position))  # (B, V)
+            logits = draft_step(self.model, x, pos.clamp(max=self.last_position), keys)  # (B, V)
             if sampling["temperature"] == 0:
                 x = logits.argmax(-1, keepdim=True)
             else:
@@ -144,16 +145,17 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     offsets = torch.arange(k + 1, device=device)
     plain_steps = 0
 
-    while not done.all():  # one host sync a round, not a token
+    while not done.all():  # host syncs a round, not a token
+        keys = decode.key_positions(model, int(lengths.max()) + k)  # a verify step's last position + 1
         proposal = drafter.propose(tokens, lengths, k, **sampling)
         if proposal is None:
             n = torch.zeros_like(lengths)
-            next_token = decode.decode_one_token(model, cur, (lengths - 1)[:, None], **sampling).clone()[:, 0]
+            next_token = decode.decode_one_token(model, cur, (lengths - 1)[:, None], keys, **sampling).clone()[:, 0]
             drafts = cur.expand(-1, k)  # placeholders, none kept
             plain_steps += 1
         else:
             drafts, draft_probs = proposal
-            n, next_token = verify(model, cur, drafts, draft_probs, lengths, cache_length, **sampling)
+            n, next_token = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys, **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
             drafter.accepted(n, ~done)
         # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
@@ -176,9 +178,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             for p, row, end in zip(prompts, tokens.cpu(), lengths.tolist())]
 
 
-def draft_step(drafter: Transformer, x: Tensor, pos: Tensor) -> Tensor:
+def draft_step(drafter: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
     """x: (B, T) at positions pos (B, T) -> the drafter's logits for the next token (B, V)."""
-    return drafter(x, pos)[:, -1].clone()  # clone: CUDA graphs reuse their output buffers
+    return drafter(x, pos, key_positions=keys)[:, -1].clone()  # clone: CUDA graphs reuse their output buffers
 
 
 def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, min_ngram: int = 2
@@ -209,14 +211,15 @@ def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, m
 
 
 def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor | None, lengths: Tensor,
-           cache_length: int, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None
-           ) -> tuple[Tensor, Tensor]:
-    """Score cur and the k drafts in one forward of the target, writing them into its cache.
-    Returns each row's number of accepted drafts n (B,) and the token that follows them (B,)."""
+           cache_length: int, keys: Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None) -> tuple[Tensor, Tensor]:
+    """Score cur and the k drafts in one forward of the target, writing them into its cache; keys:
+    decode.key_positions() above all of their positions. Returns each row's number of accepted
+    drafts n (B,) and the token that follows them (B,)."""
     k = drafts.shape[1]
     x = torch.cat([cur, drafts], dim=1)  # (B, k + 1)
     pos = ((lengths - 1)[:, None] + torch.arange(k + 1, device=x.device)).clamp(max=cache_length - 1)
-    logits = target_step(model, x, pos)  # (B, k + 1, V)
+    logits = target_step(model, x, pos, keys)  # (B, k + 1, V)
     if temperature == 0:
         return accept_greedy(logits, drafts)
     B, _, V = logits.shape
@@ -226,8 +229,8 @@ def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor 
     return accept_sampled(target_probs, draft_probs, drafts)
 
 
-def target_step(model: Transformer, x: Tensor, pos: Tensor) -> Tensor:
-    return model(x, pos).clone()
+def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
+    return model(x, pos, key_positions=keys).clone()
 
 
 def accept_greedy(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:

@@ -198,7 +198,8 @@ def test_streamed_tokens_are_each_rows_text_and_end_at_its_stop(model_fp32, bund
 def test_generate_rejects_bad_arguments(model_fp32):
     prompt = torch.tensor([1, 2, 3])
     for kwargs, message in [(dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
-                            (dict(top_k=0), "top_k")]:
+                            (dict(top_k=0), "top_k"), (dict(prefill_chunk=0), "prefill chunk must be at least 1"),
+                            (dict(kv_cache_dtype=torch.float8_e4m3fn), "fp8 KV cache needs a GPU")]:
         with pytest.raises(UserError, match=message):
             generate(model_fp32, prompt, 4, **kwargs)
     with pytest.raises(UserError, match="non-empty"):
@@ -228,6 +229,7 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "prompt is empty" in cli_error(["--prompt", ""])
     assert "context length" in cli_error(["--prompt", "hi " * 9000, "--max_new_tokens", "10"])
     assert "batch_size" in cli_error(["--batch_size", "0"])
+    assert "fp8 KV cache needs a GPU with fp8" in cli_error(["--kv_cache_dtype", "fp8", "--device", "cpu"])
     assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
     tokenizer_file = bundled_checkpoint.parent / "tokenizer.json"
     assert "give the converted checkpoint's directory" in cli_error(["--checkpoint_path", str(tokenizer_file)])
@@ -242,6 +244,7 @@ def test_corrupt_model_config_is_one_line(tmp_path, bundled_checkpoint):
     assert "not a readable model config" in cli_error(["--checkpoint_path", str(tmp_path)])
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_stops_at_the_end_of_the_answer(capsys):
     """The README's first command: the answer ends at the stop token, unless --ignore_eos."""
     argv = ["--prompt", "What is 2+2? Answer with one number.", "--temperature", "0", "--max_new_tokens", "60",
@@ -266,6 +269,7 @@ def test_help_shows_defaults(capsys):
     assert "(default: 200)" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_runs_and_reports(tmp_path):
     """The README's command end to end, in a subprocess: text, then tok/s, bandwidth and memory."""
     result = subprocess.run([sys.executable, "generate.py", "--prompt", "Tell me about Paris", "--max_new_tokens", "8",
@@ -284,6 +288,7 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert result.stderr.startswith("error: no checkpoint at") and "Traceback" not in result.stderr
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_interactive_chat_streams_answers_up_to_their_end():
     """Each answer ends at the model's end of turn: nothing of the template after it is printed or
     kept in the dialog (greedy fp32 "What is 2+2?" answers in ~10 tokens, then would go on with
@@ -298,6 +303,7 @@ def test_interactive_chat_streams_answers_up_to_their_end():
         assert "system" not in answer and "user" not in answer and "<|im" not in answer, answer
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_speculative_prints_acceptance():
     result = subprocess.run([sys.executable, "generate.py", "--draft", "prompt-lookup", "--temperature", "0",
                              "--max_new_tokens", "16", "--prompt", "Repeat: red green blue red green blue"],

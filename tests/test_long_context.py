@@ -1,0 +1,68 @@
+"""A step reads only the cache slots its depth needs (decode.key_positions): the same logits as reading
+the whole cache, and one compiled graph for every depth."""
+
+import pytest
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+import cpu_decode
+import decode
+from model import Attention, ModelArgs, Transformer
+
+CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
+
+
+def filled_model(depths: list[int], **overrides) -> tuple[Transformer, torch.Tensor]:
+    """A tiny fp32 model whose cache (400 slots) holds random prompts of the given lengths, one per row."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**CONFIG, **overrides)).eval()
+    model.setup_caches(len(depths), 400)
+    ids = torch.randint(0, 64, (len(depths), max(depths)))
+    decode.prefill_logits(model, ids, torch.tensor(depths))
+    return model, ids
+
+
+@pytest.mark.parametrize("depth", [1, 63, 64, 65, 150])
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.int8])
+@torch.no_grad()
+def test_reading_the_filled_slots_equals_reading_the_whole_cache(depth, kv_cache_dtype, monkeypatch):
+    # row 0 at the depth, row 1 shallower: the slots read end just past row 0's position
+    depths = [depth, max(1, depth - 7)]
+    model, ids = filled_model(depths)
+    if kv_cache_dtype is not None:
+        model.setup_caches(2, 400, kv_cache_dtype=kv_cache_dtype)
+        decode.prefill_logits(model, ids, torch.tensor(depths))
+    x, pos = torch.tensor([[5], [9]]), torch.tensor(depths)[:, None]
+    whole = model(x, pos)
+    read = []  # the slots each attention call was given
+    attend = Attention.attend
+    monkeypatch.setattr(Attention, "attend", lambda self, q, k, v, mask: read.append(k.shape[2]) or attend(
+        self, q, k, v, mask))
+    for n in (depth + 1, decode.key_positions(model, depth + 1).shape[1]):
+        read.clear()
+        filled = model(x, pos, key_positions=model.positions[:, :n])  # the same entries rewritten
+        torch.testing.assert_close(filled, whole, rtol=1e-5, atol=1e-5)
+        assert read == [n] * CONFIG["n_layer"]
+
+
+@torch.no_grad()
+def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(monkeypatch):
+    model, _ = filled_model([300, 20])
+    cpu_decode.apply(model)
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(decode.decode_one_token, backend=inductor, fullgraph=True, dynamic=False)
+    x = torch.tensor([[3], [4]])
+    # depths in three blocks, up to the whole cache (400 slots: the block at 300 is cut to them)
+    for depth in (20, 300, 399, 260):
+        pos = torch.tensor([[depth], [20]])
+        keys = decode.key_positions(model, depth + 1)
+        assert keys.shape[1] == min(-(-(depth + 1) // decode.KV_BLOCK) * decode.KV_BLOCK, 400)
+        eager = model(x, pos).argmax(-1)
+        assert torch.equal(step(model, x, pos, keys), eager)
+    assert len(graphs) == 1
