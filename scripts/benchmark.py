@@ -355,15 +355,20 @@ def drafters(args) -> dict:
 def llama_bench(args, depth: int) -> dict:
     """llama.cpp's llama-bench on the GGUF: its decode test (tg) after `depth` tokens of context, as
     ours decodes after the prompt, on as many threads as we use."""
+    result = llama_bench_json(args, "-p", "0", "-n", str(args.max_new_tokens), "-d", str(depth))[0]
+    return dict(ms_per_token=1e3 / result["avg_ts"], weight_bytes=result["model_size"],
+                note=f"{result['model_type']}, build {result['build_commit']}")
+
+
+def llama_bench_json(args, *options: str) -> list[dict]:
+    """llama-bench's JSON records for its runs on the GGUF, on as many threads as we use."""
     gguf = args.gguf or bundled_gguf()
-    cmd = [args.llama_bench, "-m", str(gguf), "-p", "0", "-n", str(args.max_new_tokens), "-d", str(depth),
-           "-r", str(args.runs), "-t", str(torch.get_num_threads()), "-o", "json"]
+    cmd = [args.llama_bench, "-m", str(gguf), *options, "-r", str(args.runs), "-t", str(torch.get_num_threads()),
+           "-o", "json"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise UserError(f"llama-bench failed on {gguf}: {(run.stderr.strip().splitlines() or ['no output'])[-1]}")
-    result = json.loads(run.stdout)[0]
-    return dict(ms_per_token=1e3 / result["avg_ts"], weight_bytes=result["model_size"],
-                note=f"{result['model_type']}, build {result['build_commit']}")
+    return json.loads(run.stdout)
 
 
 def tp_rows(args, world: int) -> dict:
@@ -471,6 +476,157 @@ def speculative_main(args):
         write_json(args, rows=rows)
 
 
+@torch.no_grad()
+def depths_main(args):
+    """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
+    each model (--precision's and --quantized), in one cache sized for the deepest: a step's cost must
+    follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
+    for it alone). Then prefill of the deepest prompt: tok/s and its peak memory beyond what the model
+    holds. llama-bench (-d, and -p) beside them."""
+    torch.manual_seed(0)
+    model = load(args)
+    depths, n = sorted(args.depths), args.max_new_tokens
+    decode.compile_steps(dynamic_prefill=True)
+    cpu_decode.apply(model)
+    models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
+    deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
+    shallow = next((d for d in depths if d > 0), 0)
+    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
+          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after a "
+          f"random prompt of each depth, in a cache of {deepest_cache} positions")
+    print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
+          + f" {'prefill tok/s':>13} {'peak MB':>8}")
+    rows = []
+    for name, m in models:
+        cpu_decode.apply(m)
+        for kv in args.kv_cache_dtype:
+            own = None
+            if 0 < shallow < depths[-1]:  # first, since setup_caches keeps a larger cache (compiles anew)
+                m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
+                               kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+                own = dict(depth=shallow, cache_positions=m.max_seq_length,
+                           ms_per_token=decode_ms_at_depth(m, shallow, n, args))
+            m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+            ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
+            prefill_tok_s, peak_mb = prefill_at_depth(m, depths[-1], args)
+            row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
+                       ms_per_token=dict(zip(depths, ms)), prefill_tok_s=prefill_tok_s, prefill_peak_mb=peak_mb,
+                       own_cache=own)
+            print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
+                  + f" {prefill_tok_s:13.1f} {peak_mb:8.1f}")
+            if own:
+                print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
+                      f"{own['ms_per_token']:.2f} ms (in the deep cache: {ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
+            rows.append(row)
+    if args.llama_bench:
+        tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
+        pp = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]
+        row = dict(weights=f"llama.cpp {tg[0]['model_type']}", kv_cache=tg[0].get("type_k", "f16"),
+                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, prefill_tok_s=pp["avg_ts"],
+                   build=tg[0]["build_commit"])
+        print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
+              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
+        rows.append(row)
+    if args.json:
+        write_json(args, depths=depths, rows=rows)
+
+
+def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
+    """Median ms per step of n decode steps after a random prompt of `depth` tokens (at least 1), each
+    step as generate() takes it; every run starts again from the same depth."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
+    length = torch.tensor([prompt.shape[1]], device=args.device)
+    first = decode.prefill(model, prompt, length)
+
+    def steps():
+        token = first
+        for i in range(n):
+            keys = decode.key_positions(model, prompt.shape[1] + i + 1)
+            token = decode.decode_one_token(model, token, length[:, None] + i, keys).clone()
+
+    steps()  # compiles, the first time
+    return statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
+
+
+def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:
+    """Prefill tok/s of a random prompt of `depth` tokens (median of runs), and the most memory it took
+    beyond what was held before it (MB): activations, bounded by the chunk whatever the prompt."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, depth), device=args.device)
+    length = torch.tensor([depth], device=args.device)
+    decode.prefill(model, prompt, length)  # compiles, the first time
+    before = memory_in_use(args.device, reset_peak=True)
+    seconds = statistics.median(timed(lambda: decode.prefill(model, prompt, length), args.device)
+                                for _ in range(args.runs))
+    return depth / seconds, (memory_in_use(args.device, peak=True) - before) / 1e6
+
+
+def memory_in_use(device: str, peak: bool = False, reset_peak: bool = False) -> int:
+    """Bytes the device's memory holds now (on CPU, the process's resident set), or the most it held
+    since the last reset_peak."""
+    if device.startswith("cuda"):
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    if reset_peak:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak resident set (VmHWM) starts again from now
+    field = "VmHWM" if peak else "VmRSS"
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field))) * 1024
+
+
+def kv_cache_bytes(model: Transformer) -> int:
+    return sum(buffer.nbytes for layer in model.layers for buffer in layer.attention.kv_cache.buffers())
+
+
+@torch.no_grad()
+def harness_main(args):
+    """Requests/s of eval.py's harness adapter and of the harness's own HF backend scoring the same task
+    (default: the repo's multiple-choice task) on the same weights, side by side, and their accuracy:
+    the time of the loglikelihood call, and of the whole harness run (datasets, prompts, metrics)."""
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    import eval as ev
+
+    checkpoint = gen.find_checkpoint(args.checkpoint_path)
+    model = gen.load_model(checkpoint, args.device, args.precision)
+    ours = ev.HarnessModel(model, gen.get_tokenizer(checkpoint), str(checkpoint), args.eval_batch_size)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint.parent)  # from our copy of its files
+    theirs = HFLM(pretrained=hf_model_from(model), tokenizer=hf_tokenizer, batch_size=args.eval_batch_size)
+    print(f"\n{checkpoint}, {args.precision}, {args.device}, {torch.get_num_threads()} threads, task {args.harness}, "
+          f"batch size {args.eval_batch_size}, limit {args.limit}, median of {args.runs}")
+    rows = {}
+    for name, lm in (("harness HF backend", theirs), ("ours (eval.py)", ours)):
+        calls, results = timed_requests(lm, args.device), {}
+        total = statistics.median(timed(lambda: results.update(ev.evaluate_tasks(lm, args.harness, args.limit)),
+                                        args.device) for _ in range(args.runs))
+        n = sum(count for count, _ in calls) // args.runs  # requests a run (the same in each)
+        scoring = statistics.median(seconds for _, seconds in calls)  # one loglikelihood call a run
+        (task,) = results["results"].values()
+        rows[name] = dict(requests=n, scoring_s=scoring, requests_per_s=n / scoring, whole_run_s=total,
+                          acc=task["acc,none"], acc_norm=task.get("acc_norm,none"))
+        print(f"{name:20} {n} requests scored in {scoring:6.2f} s: {n / scoring:6.1f} requests/s (the whole "
+              f"harness run {total:6.2f} s), acc {task['acc,none']:.3f}, acc_norm {task.get('acc_norm,none', 0):.3f}")
+    speedup = rows["ours (eval.py)"]["requests_per_s"] / rows["harness HF backend"]["requests_per_s"]
+    print(f"ours / the harness's HF backend: {speedup:.2f}x")
+    if args.json:
+        write_json(args, rows=rows, speedup=speedup)
+
+
+def timed_requests(lm, device: str) -> list[tuple[int, float]]:
+    """Wrap a harness LM's loglikelihood so that the returned list receives (requests, seconds) of
+    each call: the scoring itself, without the harness's own work around it."""
+    calls, score = [], lm.loglikelihood
+
+    def timed_score(requests):
+        results = []
+        calls.append((len(requests), timed(lambda: results.extend(score(requests)), device)))
+        return results
+
+    lm.loglikelihood = timed_score
+    return calls
+
+
 def write_json(args, **results):
     record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
                   torch=torch.__version__, threads=torch.get_num_threads(),
@@ -514,6 +670,17 @@ if __name__ == "__main__":
     p.add_argument("--llama-bench", default=None, metavar="BIN",
                    help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
     p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
+    p.add_argument("--depths", nargs="*", type=int, default=None, metavar="D",
+                   help="instead: decode ms/token after D tokens of context, for each D (and prefill of the "
+                        "deepest), per --kv_cache_dtype, for --precision's model or each --quantized one")
+    p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
+                   help="with --depths: the KV cache formats to measure")
+    p.add_argument("--harness", nargs="?", const=str(Path(__file__).resolve().parents[1] / "tasks" / "pydoc_cloze.yaml"),
+                   default=None, metavar="TASK",
+                   help="instead: requests/s of eval.py's harness adapter against the harness's HF backend on a "
+                        "loglikelihood task (default: tasks/pydoc_cloze.yaml)")
+    p.add_argument("--eval_batch_size", type=int, default=8, help="with --harness")
+    p.add_argument("--limit", type=float, default=None, help="with --harness: examples of the task")
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")
@@ -538,4 +705,9 @@ if __name__ == "__main__":
     if args.tp is None:
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
         args.tp = [gpus] if gpus > 1 else []
-    run_cli(speculative_main if args.speculative else main, args)
+    if args.depths is not None and (not args.depths or min(args.depths) < 0):
+        p.error("--depths takes one or more context depths, each 0 or more")
+    if args.harness and args.model:
+        p.error("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
+    modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)
+    run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

@@ -104,6 +104,29 @@ def test_ladder_runs_end_to_end(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_depths_run_end_to_end(tmp_path):
+    """--depths: decode ms/token at each depth per KV cache format, the shallow depth again in a cache
+    of its own, prefill of the deepest prompt with its peak memory (eager, as above)."""
+    (tmp_path / "sitecustomize.py").write_text('import torch\ntorch.compiler.set_stance("force_eager")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "depths.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+         "--depths", "0", "40", "300", "--max_new_tokens", "3", "--runs", "1", "--quantized", "int4",
+         "--kv_cache_dtype", "bf16", "int8", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+        timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["weights"], row["kv_cache"]) for row in rows] == [("int4 g32 (in memory)", "bf16"),
+                                                                  ("int4 g32 (in memory)", "int8")]
+    for row in rows:
+        assert list(row["ms_per_token"]) == ["0", "40", "300"] and all(ms > 0 for ms in row["ms_per_token"].values())
+        assert row["own_cache"]["cache_positions"] == 64 and row["cache_positions"] == 320
+        assert row["prefill_tok_s"] > 0 and row["prefill_peak_mb"] >= 0
+    assert rows[1]["kv_cache_mb"] < 0.6 * rows[0]["kv_cache_mb"]  # int8 levels and bf16 scales: about half
+    assert "int4 g32 (in memory)" in run.stdout
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
     (["--no-hf", "--device", "cuda"], "no CUDA device"),
