@@ -1,12 +1,22 @@
-"""Perplexity of a checkpoint on a text: what a quantization scheme costs in accuracy.
+"""Accuracy of a checkpoint: EleutherAI's lm-evaluation-harness tasks, or perplexity on a text.
 
-    python eval.py --checkpoint_path checkpoints/X/model_int4.g32.safetensors [--text_file notes.txt]
+    python eval.py --checkpoint_path checkpoints/X --tasks hellaswag,arc_easy [--limit 100] [--batch_size 8]
+    python eval.py --tasks tasks/pydoc_cloze.yaml,tasks/pydoc_complete.yaml   # offline: data in the repo
+    python eval.py --checkpoint_path checkpoints/X/model_int4.g32.safetensors [--text_file notes.txt]  # perplexity
 
-The default text is the held-out half of the documentation that ships with Python (the other half
-calibrates GPTQ), so every machine can compare schemes with no download.
+Harness tasks go through its Python API (`pip install -e ".[eval]"`): `HarnessModel` is its `LM`
+interface over our Transformer, whatever the checkpoint (quantized, any family, under torchrun with
+rank 0 reporting), and nothing else of the harness is used, so that its internals can move. A task
+is a name the harness knows (its datasets then download) or the path of a task YAML; the data files
+a YAML names are found beside it. The repo's own tasks (tasks/) run with no download.
+
+Without --tasks: perplexity over consecutive windows of the held-out half of the documentation that
+ships with Python (the other half calibrates GPTQ), so every machine can compare schemes.
 """
 
 import argparse
+import importlib.metadata
+import json
 import math
 from pathlib import Path
 
@@ -15,9 +25,19 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from errors import UserError, run_cli
-from generate import KV_CACHE_DTYPES, PRECISIONS, get_tokenizer, load_model
+from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
+from tokenizer import Tokenizer
+from tp import maybe_init_distributed
+
+# the harness versions this adapter is tested with (tests/test_eval.py); others are refused
+TESTED_HARNESS = ((0, 4, 5), (0, 5))  # from 0.4.5 up to, not including, 0.5
+
+try:
+    from lm_eval.api.model import LM as HarnessLM
+except ImportError:  # --tasks says what to install; perplexity needs none of it
+    HarnessLM = object
 
 
 @torch.no_grad()
@@ -39,22 +59,228 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
     return math.exp(total / (n_windows * (seq_len - 1)))
 
 
+class HarnessModel(HarnessLM):
+    """The harness's LM interface over our Transformer: log-likelihoods of continuations, of whole
+    texts in rolling windows, and greedy generation up to stop strings. Requests are batched by length
+    (longest first), ragged rows right-padded into the static cache."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str, batch_size: int = 8,
+                 max_length: int | None = None):
+        super().__init__()
+        self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
+        self.max_length = max_length or model.config.block_size
+        # what an empty context is scored after, as the harness's HF backend does
+        self.prefix_token_id = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+
+    # -- the LM interface
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        return self.score([self.encode_pair(*request.args) for request in requests])
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        """Each text's log-likelihood, every token predicted once, windows of the model's length."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owners = [], []
+        for i, request in enumerate(requests):
+            for window in get_rolling_token_windows(self.tokenizer.encode(request.args[0]), self.prefix_token_id,
+                                                    self.max_length, context_len=1):
+                windows.append(make_disjoint_window(window))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self.score(windows)):
+            totals[owner] += logprob
+        return totals
+
+    def generate_until(self, requests) -> list[str]:
+        """Greedy (or sampled, if the task asks) continuations, each cut before the first of its stop
+        strings; requests that share generation settings go together in ragged batches."""
+        results = [""] * len(requests)
+        groups = {}
+        for i, request in enumerate(requests):
+            context, settings = request.args
+            groups.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append((i, context))
+        for settings, members in groups.items():
+            settings = json.loads(settings)
+            until = settings.get("until") or []
+            until = [until] if isinstance(until, str) else until
+            max_new = int(settings.get("max_gen_toks", 256))
+            sampling = dict(temperature=float(settings.get("temperature", 0.0)) if settings.get("do_sample") else 0.0)
+            for batch in batched(members, self.batch_size):
+                prompts = [torch.tensor(self.tokenizer.encode_prompt(context)[-(self.max_length - max_new):])
+                           for _, context in batch]
+                outputs = generate(self.model, prompts, max_new, stop_ids=self.tokenizer.stop_ids, **sampling)
+                for (i, _), prompt, output in zip(batch, prompts, outputs):
+                    results[i] = cut_at_stops(self.tokenizer.decode(output[len(prompt):].tolist()), until)
+        return results
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.dialog_text(chat_history)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.name
+
+    # -- scoring
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of the context and of the continuation after it, split as the harness's HF backend
+        splits them: the context's trailing spaces move to the continuation, and the continuation's
+        ids are those of the whole text past the context's."""
+        if not context:
+            return [self.prefix_token_id], self.tokenizer.encode(continuation)
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tokenizer.encode_prompt(context + continuation)
+        n_context = len(self.tokenizer.encode_prompt(context))
+        return whole[:n_context], whole[n_context:]
+
+    @torch.no_grad()
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(log-probability of the continuation after the context, whether greedy decoding gives it)
+        for each pair of token lists. A text longer than the model keeps its last max_length tokens.
+        Requests with the same input (one context, one-token answers: multiple choice) share a forward."""
+        by_input = {}  # the model's input (the text but its last token) -> the requests that score it
+        for i, (context, continuation) in enumerate(pairs):
+            by_input.setdefault(tuple((context + continuation)[-(self.max_length + 1):][:-1]), []).append(i)
+        inputs = sorted(by_input, key=len, reverse=True)  # longest first: less padding, the cache sized once
+        results = [None] * len(pairs)
+        for batch in tqdm(list(batched(inputs, self.batch_size)), desc="scoring", unit="batch", leave=False):
+            n = [max(len(pairs[i][1]) for i in by_input[row]) for row in batch]  # positions scored, at the end
+            logprobs = self.last_logprobs(batch, n)  # (B, max n, V)
+            for r, row in enumerate(batch):
+                for i in by_input[row]:
+                    target = torch.tensor(pairs[i][1])
+                    own = logprobs[r, n[r] - len(target): n[r]]
+                    results[i] = (own.gather(-1, target[:, None]).sum().item(), bool((own.argmax(-1) == target).all()))
+        return results
+
+    def last_logprobs(self, rows: list[tuple[int, ...]], n: list[int]) -> torch.Tensor:
+        """Log-probabilities of the next token at the last n[r] positions of each row, (B, max(n), V),
+        row r's in its first n[r] entries; rows right-padded into one forward."""
+        T = len(rows[0])
+        idx = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, row in enumerate(rows):
+            idx[r, : len(row)] = torch.tensor(row)
+        # each row's last n positions, padded by repeating its last one
+        last = torch.tensor([[len(row) - k + min(j, k - 1) for j in range(max(n))] for row, k in zip(rows, n)])
+        device = next(self.model.parameters()).device
+        self.model.setup_caches(len(rows), T)
+        logits = self.model(idx.to(device), torch.arange(T, device=device), last=last.clamp(min=0).to(device))
+        return logits.float().log_softmax(-1).cpu()
+
+
+def batched(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start: start + size]
+
+
+def cut_at_stops(text: str, stops: list[str]) -> str:
+    """text up to, not including, the earliest of the stop strings in it."""
+    return text[: min((text.find(s) for s in stops if s and s in text), default=len(text))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's side
+
+
+def harness():
+    """lm_eval, if installed in a version this adapter is tested with; a one-line error otherwise."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise UserError("--tasks needs EleutherAI's lm-evaluation-harness: pip install -e '.[eval]'")
+    version = importlib.metadata.version("lm_eval")
+    numbers = tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+    low, high = TESTED_HARNESS
+    if not low <= numbers < high:
+        raise UserError(f"lm_eval {version} is not a version this adapter is tested with: "
+                        f"pip install 'lm_eval>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}'")
+    return lm_eval
+
+
+def task_specs(tasks: str) -> list[str | dict]:
+    """--tasks' comma-separated entries: a task name as is, a YAML file as its config, with the data
+    files it names found beside it."""
+    import yaml
+
+    specs = []
+    for entry in filter(None, (t.strip() for t in tasks.split(","))):
+        path = Path(entry)
+        if path.suffix not in (".yaml", ".yml"):
+            specs.append(entry)
+            continue
+        if not path.is_file():
+            raise UserError(f"no task file at {path}")
+        try:
+            config = yaml.safe_load(path.read_text())
+            files = config.get("dataset_kwargs", {}).get("data_files", {})
+            config["dataset_kwargs"]["data_files"] = {split: str(path.parent / name) for split, name in files.items()}
+        except (yaml.YAMLError, AttributeError, KeyError, TypeError) as e:
+            raise UserError(f"{path} is not a task YAML with dataset_kwargs.data_files: {str(e).splitlines()[0]}")
+        specs.append(config)
+    return specs
+
+
+def evaluate_tasks(model: HarnessModel, tasks: str, limit: float | None = None, num_fewshot: int | None = None,
+                   apply_chat_template: bool = False) -> dict:
+    """The harness's results for the tasks (simple_evaluate's dict); unknown names are one line."""
+    lm_eval = harness()
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager()
+    specs = task_specs(tasks)
+    unknown = [s for s in specs if isinstance(s, str) and s not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}: give a name the harness lists "
+                        f"(lm_eval ls tasks) or the path of a task YAML")
+    return lm_eval.simple_evaluate(model=model, tasks=specs, limit=limit, num_fewshot=num_fewshot,
+                                   task_manager=manager, apply_chat_template=apply_chat_template,
+                                   log_samples=False)
+
+
 def main(args):
-    text = Path(args.text_file).read_text(errors="replace") if args.text_file else python_docs_text("held-out")
-    tokens = torch.tensor(get_tokenizer(args.checkpoint_path).encode(text)[: args.max_tokens])
-    model = load_model(args.checkpoint_path, args.device, args.precision)
-    ppl = perplexity(model, tokens, args.seq_len, args.batch_size, progress=True,
-                     kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
-    print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {len(tokens)} tokens "
-          f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
+    if args.tasks:  # a missing harness or a bad task file fails before the model loads
+        harness()
+        task_specs(args.tasks)
+    rank, world = maybe_init_distributed()
+    model = load_model(args.checkpoint_path, args.device, args.precision, rank, world)
+    tokenizer = get_tokenizer(args.checkpoint_path)
+    if not args.tasks:
+        text = Path(args.text_file).read_text(errors="replace") if args.text_file else python_docs_text("held-out")
+        tokens = torch.tensor(tokenizer.encode(text)[: args.max_tokens])
+        ppl = perplexity(model, tokens, args.seq_len, args.batch_size, progress=rank == 0,
+                         kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
+        if rank == 0:
+            print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {len(tokens)} tokens "
+                  f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
+        return ppl
+    name = str(args.checkpoint_path or "bundled SmolLM2-135M-Instruct")
+    lm = HarnessModel(model, tokenizer, name, args.batch_size, args.max_length)
+    results = evaluate_tasks(lm, args.tasks, args.limit, args.num_fewshot, args.apply_chat_template)
+    if rank == 0:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
+        if args.output:
+            Path(args.output).write_text(json.dumps(results["results"], indent=2, default=str))
+    return results
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
-    p.add_argument("--text_file", type=Path, default=None, help="default: held-out Python documentation")
-    p.add_argument("--max_tokens", type=int, default=16384, help="tokens of the text to score")
-    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated harness task names or task YAML paths (default: perplexity instead)")
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    p.add_argument("--num_fewshot", type=int, default=None)
+    p.add_argument("--apply_chat_template", action="store_true", help="prompts in the model's chat template")
+    p.add_argument("--max_length", type=int, default=None, help="tokens a request may take (default: the context)")
+    p.add_argument("--output", default=None, help="with --tasks: write the results as JSON")
+    p.add_argument("--text_file", type=Path, default=None, help="perplexity: default held-out Python documentation")
+    p.add_argument("--max_tokens", type=int, default=16384, help="perplexity: tokens of the text to score")
+    p.add_argument("--seq_len", type=int, default=512, help="perplexity: window length")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--device", default=None)
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
@@ -62,4 +288,6 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.text_file and not args.text_file.is_file():
         p.error(f"{args.text_file} does not exist")
+    if args.tasks and args.text_file:
+        p.error("--text_file is for perplexity; harness tasks bring their own data")
     run_cli(main, args)

@@ -180,15 +180,20 @@ class Tokenizer:
     def encode_dialog(self, messages: list[dict]) -> list[int]:
         """Messages as the chat template lays them out, ending with the assistant's turn opened. Special
         tokens come from the rendered text (a template writes its BOS itself), as in transformers."""
+        text = self.dialog_text(messages)
+        return self.encode(text) if self.chat_template is not None else self._bos() + self.encode(text)
+
+    def dialog_text(self, messages: list[dict]) -> str:
+        """encode_dialog's text: the template's whole rendering (BOS included), or the hand-written
+        format's (without the BOS that encode_dialog puts before it)."""
         if self.chat_template is not None:
-            return self.encode(render_chat_template(self.chat_template, messages, self.special_tokens))
+            return render_chat_template(self.chat_template, messages, self.special_tokens)
         if self.chat_format == "llama3":
             text = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
                            for m in messages)
-            return self._bos() + self.encode(text + "<|start_header_id|>assistant<|end_header_id|>\n\n")
+            return text + "<|start_header_id|>assistant<|end_header_id|>\n\n"
         if self.chat_format == "chatml":
-            text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-            return self._bos() + self.encode(text + "<|im_start|>assistant\n")
+            return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
         raise UserError("this model has no chat format (no chat_template in tokenizer_config.json): "
                         "prompt it as plain text, without chat")
 

@@ -1,0 +1,119 @@
+"""eval.py's harness adapter: log-likelihoods equal HF transformers' on the same weights, ragged batches
+equal requests alone, generation stops before the task's stop strings, the harness's own HF backend
+scores the repo's multiple-choice task as ours does; bad input is one line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eval as ev
+from generate import generate, get_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+CLOZE = REPO / "tasks" / "pydoc_cloze.yaml"
+REQUESTS = [("The capital of France is", " Paris"), ("Water boils at", " 100 degrees Celsius at sea level."),
+            ("Once upon a time, in a small village by the sea, there lived", " an old fisherman"),
+            ("", "Hello world"), ("A list: apples, pears,  ", "plums")]
+
+
+def requests(pairs):
+    return [SimpleNamespace(args=pair) for pair in pairs]
+
+
+@pytest.fixture(scope="module")
+def harness_model(model_fp32, bundled_checkpoint):
+    return ev.HarnessModel(model_fp32, get_tokenizer(bundled_checkpoint), "bundled", batch_size=3)
+
+
+def hf_logprob(hf, context: list[int], continuation: list[int], max_length: int) -> float:
+    ids = (context + continuation)[-(max_length + 1):]
+    with torch.no_grad():
+        logprobs = hf(torch.tensor([ids[:-1]])).logits[0].float().log_softmax(-1)
+    targets = torch.tensor(continuation)
+    return logprobs[-len(continuation):].gather(-1, targets[:, None]).sum().item()
+
+
+def test_loglikelihood_equals_hf_and_a_batch_equals_each_alone(harness_model, hf_model):
+    ours = harness_model.loglikelihood(requests(REQUESTS))
+    for pair, (logprob, _) in zip(REQUESTS, ours):
+        context, continuation = harness_model.encode_pair(*pair)
+        assert logprob == pytest.approx(hf_logprob(hf_model, context, continuation, 10**6), rel=1e-4, abs=1e-4)
+        assert harness_model.loglikelihood(requests([pair]))[0][0] == pytest.approx(logprob, rel=1e-5, abs=1e-5)
+    # a greedy continuation is flagged so, and a continuation that is not greedy is not
+    context = "The capital of France is"
+    greedy = harness_model.generate_until(requests([(context, {"until": ["\n"], "max_gen_toks": 3})]))[0]
+    assert harness_model.loglikelihood(requests([(context, greedy), (context, " Berlin")]))[0][1] is True
+    assert harness_model.loglikelihood(requests([(context, " Berlin")]))[0][1] is False
+
+
+def test_a_context_longer_than_the_model_keeps_its_end(harness_model, hf_model):
+    long = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", batch_size=2, max_length=24)
+    pairs = [(" ".join(["word"] * 40) + " and then", " the end"), ("Short", " one")]
+    for pair, (logprob, _) in zip(pairs, long.loglikelihood(requests(pairs))):
+        context, continuation = long.encode_pair(*pair)
+        assert logprob == pytest.approx(hf_logprob(hf_model, context, continuation, 24), rel=1e-4, abs=1e-4)
+
+
+def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model):
+    pytest.importorskip("lm_eval")
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    ids = harness_model.tokenizer.encode(text)
+    whole = hf_logprob(hf_model, [harness_model.prefix_token_id], ids, 10**6)
+    windowed = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", max_length=16)
+    assert harness_model.loglikelihood_rolling(requests([(text,)]))[0] == pytest.approx(whole, rel=1e-4)
+    assert windowed.loglikelihood_rolling(requests([(text,)]))[0] < whole  # less context, each token predicted once
+
+
+def test_generation_stops_before_stop_strings_of_several_tokens(harness_model):
+    context = "Once upon a time, in a small village by the sea,"
+    prompt = torch.tensor(harness_model.tokenizer.encode_prompt(context))
+    text = harness_model.tokenizer.decode(generate(harness_model.model, prompt, 24, temperature=0)[len(prompt):].tolist())
+    words = text.split(" ")
+    stop = " ".join(words[4:6])  # two words, several tokens, in the middle of the greedy text
+    assert len(harness_model.tokenizer.encode(stop)) > 1
+    settings = {"until": [stop, "never appears"], "max_gen_toks": 24}
+    batch = harness_model.generate_until(requests([(context, settings), ("The capital of France is", settings)]))
+    assert batch[0] == text[: text.index(stop)]
+    assert harness_model.generate_until(requests([(context, settings)])) == batch[:1]
+
+
+def test_the_harness_hf_backend_scores_the_local_task_as_ours(harness_model, hf_model, hf_tokenizer):
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    ours = ev.evaluate_tasks(harness_model, str(CLOZE), limit=40)["results"]["pydoc_cloze"]
+    theirs = ev.evaluate_tasks(HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=8), str(CLOZE),
+                               limit=40)["results"]["pydoc_cloze"]
+    assert ours["acc,none"] == theirs["acc,none"] and ours["acc_norm,none"] == theirs["acc_norm,none"]
+    assert ours["acc,none"] > 0.4  # four choices: chance is 0.25
+
+
+def cli(*argv, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "eval.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")
+def test_bad_tasks_are_one_line(tmp_path):
+    pytest.importorskip("lm_eval")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: [unclosed\n")
+    for argv, message in [(["--tasks", "no_such_task_anywhere"], "unknown task(s) no_such_task_anywhere"),
+                          (["--tasks", str(broken)], "is not a task YAML"),
+                          (["--tasks", str(tmp_path / "missing.yaml")], "no task file at")]:
+        run = cli(*argv, "--limit", "2")
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.strip().splitlines()[-1].startswith("error: ") and message in run.stderr, run.stderr
+
+
+def test_tasks_without_the_harness_say_what_to_install(tmp_path):
+    (tmp_path / "lm_eval").mkdir()  # an installation without the harness
+    (tmp_path / "lm_eval" / "__init__.py").write_text('raise ImportError("not installed")\n')
+    run = cli("--tasks", str(CLOZE), env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert run.returncode == 1 and run.stderr.strip() == \
+        "error: --tasks needs EleutherAI's lm-evaluation-harness: pip install -e '.[eval]'"
