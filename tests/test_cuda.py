@@ -186,6 +186,27 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens():
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@torch.no_grad()
+def test_scaled_kv_caches_stay_near_the_bf16_one(kv_cache_dtype):
+    if kv_cache_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    model = random_model(torch.float32)
+    prompt = prompts([300])[0][None]
+    logits = {}
+    for dtype in (None, kv_cache_dtype):
+        model.setup_caches(1, 512, kv_cache_dtype=dtype)
+        decode.prefill_logits(model, prompt, torch.tensor([300], device="cuda"))
+        logits[dtype] = model(prompt[:, -1:], torch.tensor([[300]], device="cuda"),
+                              key_positions=decode.key_positions(model, 301))
+    reference = logits[None]
+    assert ((logits[kv_cache_dtype] - reference).abs().max() / reference.abs().max()).item() <= 0.05
+    decode.compile_steps()
+    model.setup_caches(1, 512, kv_cache_dtype=kv_cache_dtype)
+    generate(model, prompts([40])[0], 16, temperature=0)  # the compiled step reads the scaled cache
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
 @pytest.mark.parametrize("n_kv", [1, 2, 8])
 @pytest.mark.parametrize("T", [1, 6, 200])
 @torch.no_grad()

@@ -7,7 +7,8 @@ from torch._inductor.compile_fx import compile_fx
 
 import cpu_decode
 import decode
-from model import Attention, ModelArgs, Transformer
+from errors import UserError
+from model import Attention, KVCache, ModelArgs, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
 
@@ -66,3 +67,25 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
         eager = model(x, pos).argmax(-1)
         assert torch.equal(step(model, x, pos, keys), eager)
     assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("store, bound", [(torch.int8, 0.5 / 127), (torch.float8_e4m3fn, 2 ** -4)])
+def test_scaled_kv_formats_read_back_within_their_rounding(store, bound):
+    """Each key and value vector comes back within half a level of its own scale (int8) or e4m3's
+    relative step (fp8), and in half the bytes of bf16 (plus a scale per vector). fp8 runs on a GPU
+    only (setup_caches refuses it elsewhere), but its arithmetic is the same here."""
+    cache = KVCache(2, 16, 3, 64, torch.float32, store_dtype=store)
+    k, v = torch.randn(2, 5, 3, 64) * torch.rand(2, 5, 3, 1) * 10, torch.randn(2, 5, 3, 64)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    k_read, v_read = cache.update(pos, k, v)
+    for x, read in ((k, k_read), (v, v_read)):
+        written = read[torch.arange(2)[:, None], :, pos]  # (B, T, n_kv, hd)
+        scale = x.abs().amax(-1, keepdim=True)
+        assert ((written - x).abs() <= bound * scale + 1e-6).all()
+    assert cache.k_cache.element_size() == 1
+
+
+def test_an_fp8_cache_without_a_gpu_that_has_it_is_one_line():
+    model = Transformer(ModelArgs(**CONFIG))
+    with pytest.raises(UserError, match="fp8 KV cache needs a GPU with fp8"):
+        model.setup_caches(1, 64, kv_cache_dtype=torch.float8_e4m3fn)
