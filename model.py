@@ -241,7 +241,8 @@ class Transformer(nn.Module):
 
 def check_kv_cache_dtype(dtype: torch.dtype | None, device: torch.device):
     """fp8 needs a GPU that has it; every other format runs anywhere."""
-    if dtype == torch.float8_e4m3fn and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+    has_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if dtype == torch.float8_e4m3fn and not has_fp8:
         raise UserError("an fp8 KV cache needs a GPU with fp8 (compute capability 8.9 or newer: Ada, Hopper, "
                         "Blackwell): use --kv_cache_dtype int8 (torch.int8) here")
 

@@ -193,7 +193,8 @@ class Tokenizer:
                            for m in messages)
             return text + "<|start_header_id|>assistant<|end_header_id|>\n\n"
         if self.chat_format == "chatml":
-            return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+            text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+            return text + "<|im_start|>assistant\n"
         raise UserError("this model has no chat format (no chat_template in tokenizer_config.json): "
                         "prompt it as plain text, without chat")
 

@@ -516,7 +516,8 @@ def depths_main(args):
                   + f" {prefill_tok_s:13.1f} {peak_mb:8.1f}")
             if own:
                 print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
-                      f"{own['ms_per_token']:.2f} ms (in the deep cache: {ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
+                      f"{own['ms_per_token']:.2f} ms (in the deep cache: "
+                      f"{ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
             rows.append(row)
     if args.llama_bench:
         tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
@@ -675,8 +676,8 @@ if __name__ == "__main__":
                         "deepest), per --kv_cache_dtype, for --precision's model or each --quantized one")
     p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
                    help="with --depths: the KV cache formats to measure")
-    p.add_argument("--harness", nargs="?", const=str(Path(__file__).resolve().parents[1] / "tasks" / "pydoc_cloze.yaml"),
-                   default=None, metavar="TASK",
+    p.add_argument("--harness", nargs="?", default=None, metavar="TASK",
+                   const=str(Path(__file__).resolve().parents[1] / "tasks" / "pydoc_cloze.yaml"),
                    help="instead: requests/s of eval.py's harness adapter against the harness's HF backend on a "
                         "loglikelihood task (default: tasks/pydoc_cloze.yaml)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="with --harness")

@@ -72,7 +72,8 @@ def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model
 def test_generation_stops_before_stop_strings_of_several_tokens(harness_model):
     context = "Once upon a time, in a small village by the sea,"
     prompt = torch.tensor(harness_model.tokenizer.encode_prompt(context))
-    text = harness_model.tokenizer.decode(generate(harness_model.model, prompt, 24, temperature=0)[len(prompt):].tolist())
+    output = generate(harness_model.model, prompt, 24, temperature=0)
+    text = harness_model.tokenizer.decode(output[len(prompt):].tolist())
     words = text.split(" ")
     stop = " ".join(words[4:6])  # two words, several tokens, in the middle of the greedy text
     assert len(harness_model.tokenizer.encode(stop)) > 1
