@@ -215,10 +215,16 @@ def task_specs(tasks: str) -> list[str | dict]:
             raise UserError(f"no task file at {path}")
         try:
             config = yaml.safe_load(path.read_text())
-            files = config.get("dataset_kwargs", {}).get("data_files", {})
-            config["dataset_kwargs"]["data_files"] = {split: str(path.parent / name) for split, name in files.items()}
-        except (yaml.YAMLError, AttributeError, KeyError, TypeError) as e:
-            raise UserError(f"{path} is not a task YAML with dataset_kwargs.data_files: {str(e).splitlines()[0]}")
+        except yaml.YAMLError as e:
+            raise UserError(f"{path} does not parse as YAML: {str(e).splitlines()[0]}")
+        if not isinstance(config, dict) or "task" not in config:
+            raise UserError(f"{path} is not a harness task (it names no `task:`)")
+        dataset = config.get("dataset_kwargs") or {}
+        files = dataset.get("data_files")
+        if isinstance(files, str):
+            dataset["data_files"] = str(path.parent / files)
+        elif isinstance(files, dict):
+            dataset["data_files"] = {split: str(path.parent / name) for split, name in files.items()}
         specs.append(config)
     return specs
 

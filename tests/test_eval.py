@@ -102,10 +102,12 @@ def cli(*argv, env=None) -> subprocess.CompletedProcess:
 @pytest.mark.usefixtures("bundled_checkpoint")
 def test_bad_tasks_are_one_line(tmp_path):
     pytest.importorskip("lm_eval")
-    broken = tmp_path / "broken.yaml"
+    broken, nameless = tmp_path / "broken.yaml", tmp_path / "nameless.yaml"
     broken.write_text("task: [unclosed\n")
+    nameless.write_text("dataset_path: json\n")
     for argv, message in [(["--tasks", "no_such_task_anywhere"], "unknown task(s) no_such_task_anywhere"),
-                          (["--tasks", str(broken)], "is not a task YAML"),
+                          (["--tasks", str(broken)], "does not parse as YAML"),
+                          (["--tasks", str(nameless)], "is not a harness task (it names no `task:`)"),
                           (["--tasks", str(tmp_path / "missing.yaml")], "no task file at")]:
         run = cli(*argv, "--limit", "2")
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
