@@ -76,11 +76,15 @@ def test_quantized_copy_equals_the_quantized_checkpoint(bundled_checkpoint, int4
         assert torch.equal(in_memory.state_dict()[name], tensor), name
 
 
-def test_ladder_runs_end_to_end(tmp_path):
-    # every process, torchrun's workers too, runs the compiled functions eagerly: minutes of
-    # compilation would test nothing more here
+def eager_everywhere(tmp_path) -> dict:
+    """An environment in which every process, torchrun's workers too, runs compiled functions eagerly:
+    minutes of compilation would test nothing more here."""
     (tmp_path / "sitecustomize.py").write_text('import torch\ntorch.compiler.set_stance("force_eager")\n')
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_ladder_runs_end_to_end(tmp_path):
+    env = eager_everywhere(tmp_path)
     out = tmp_path / "ladder.json"
     run = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
@@ -107,8 +111,7 @@ def test_ladder_runs_end_to_end(tmp_path):
 def test_depths_run_end_to_end(tmp_path):
     """--depths: decode ms/token at each depth per KV cache format, the shallow depth again in a cache
     of its own, prefill of the deepest prompt with its peak memory (eager, as above)."""
-    (tmp_path / "sitecustomize.py").write_text('import torch\ntorch.compiler.set_stance("force_eager")\n')
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = eager_everywhere(tmp_path)
     out = tmp_path / "depths.json"
     run = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",

@@ -6,6 +6,7 @@ step), compiled prefill for any length, int8 and int4 against their dequantized 
 speculative decoding, the attention kernels against the math backend, NCCL's all-reduce inside the
 compiled step, and the benchmark ladder."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -29,6 +30,9 @@ from model import ModelArgs, Transformer
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
 # a small model of a real layout: GQA 4 query heads a key/value head, head_dim 64, Llama-3's vocab shape cut down
 SMALL = dict(vocab_size=4096, n_layer=4, n_head=8, n_local_heads=2, dim=512, intermediate_size=1408, block_size=2048)
 
@@ -42,23 +46,9 @@ def random_model(dtype=torch.bfloat16, seed: int = 0, **overrides) -> Transforme
     return model.to(dtype).eval()
 
 
-def quantized(model: Transformer, mode: str, groupsize: int = 32) -> Transformer:
-    """The model with its linears quantized (round to nearest) and packed for CUDA, as loading does."""
-    scheme = {"mode": mode, "groupsize": groupsize}
-    linears = {f"{name}.weight" for name in quantize.linear_names(model)}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name in linears:
-            specs, make = quantize.quantized_group(name, lambda t=tensor: t, tuple(tensor.shape), scheme)
-            state.update(zip([spec[0] for spec in specs], make()))
-        else:
-            state[name] = tensor
-    with torch.device("meta"):
-        q = Transformer(model.config)
-        quantize.swap_linears(q, scheme)
-    q.load_state_dict(state, assign=True)
-    quantize.pack_for_device(q)
-    return q.eval()
+def quantized(model: Transformer, mode: str) -> Transformer:
+    """The model with its linears quantized (round to nearest, int4 groups of 32) and packed for CUDA."""
+    return benchmark.quantized_copy(model, model.config, mode, groupsize=32)
 
 
 @pytest.fixture(autouse=True)
