@@ -1,9 +1,12 @@
-"""Compiled decoding on CPU: the one-row products of a decode step as multiply-and-sum expressions.
+"""Compiled decoding on CPU: the few-row products of decode and verify steps as multiply-and-sum
+expressions.
 
 Inductor fuses such an expression into one vectorized loop over the weight (or the cache), which on
-CPU reads it faster than the BLAS call aten.mm makes at one row, converts int8 in registers, and
+CPU reads it faster than the BLAS call aten.mm makes at a few rows, converts int8 in registers, and
 fuses attention's softmax between its two products (scripts/benchmark.py measures the matmul side;
-the README has the figures). Eager calls and calls of many rows keep PyTorch's kernels.
+the README has the figures). A speculative verify step's k + 1 rows (up to FEW_ROWS) go through one
+such loop too, each weight element read once for all of them. Eager calls and calls of many rows
+keep PyTorch's kernels.
 
     cpu_decode.apply(model)   # once, after loading; a no-op for a model on another device
 
@@ -37,12 +40,36 @@ def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
-class OneRowLinear(nn.Linear):
-    """nn.Linear whose compiled one-row forward is one_row_product (same weights, another forward)."""
+# rows up to which a compiled linear reads its weight once for all rows (a verify step of k <= 8 drafts)
+FEW_ROWS = 9
+
+
+def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., k) of at most FEW_ROWS rows times weight (n, k) transposed, accumulated in fp32."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        return one_row_product(x, weight)
+    rows = rows.as_strided(rows.shape, rows.stride())  # computed once (one_row_product says why)
+    w = weight.float()
+    # A reduction per row over the same weight: inductor fuses them into one loop that loads each
+    # weight element once and multiplies it into every row's sum (the product as one expression
+    # over (rows, n, k) would read the weight once per row).
+    return torch.stack([(row.float() * w).sum(-1) for row in rows]).view(*x.shape[:-1], -1)
+
+
+def compiling_few_rows(x: Tensor) -> bool:
+    """Whether x (..., k) is a few rows in compiled code. A symbolic row count (prefill compiled for
+    any length) is not: a loop over its rows would specialize the graph to it."""
+    rows = x.shape[:-1].numel()
+    return torch.compiler.is_compiling() and isinstance(rows, int) and rows <= FEW_ROWS
+
+
+class FewRowLinear(nn.Linear):
+    """nn.Linear whose compiled forward of a few rows is few_rows_product (same weights, another forward)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
-            y = one_row_product(x, self.weight)
+        if compiling_few_rows(x):
+            y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
@@ -54,8 +81,9 @@ def apply(model: Transformer):
         return
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.__class__ = OneRowLinear
+            module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
             module.matmul = fused_matmul
+            module.sdpa_from = FEW_ROWS + 1
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -217,23 +217,30 @@ class Transformer(nn.Module):
         x = self.hidden_states(idx, input_pos.expand(idx.shape), key_positions)  # (B, T, dim)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), last.view(x.shape[0], -1)]
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The last layer's output (B, T, dim) -> logits (B, T, vocab_size)."""
         return softcap(self.output(self.norm(x)), self.config.logit_softcap)
 
     def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
         """The last layer's output (B, T, dim), writing the KV cache at input_pos (B, T)."""
+        return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions)
+
+    def blocks(self, x: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
+        """x (B, T, dim) through every layer, writing the KV cache at input_pos (B, T)."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
-        B, T = idx.shape
+        B, T, _ = x.shape
         if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
-            return torch.cat([self.hidden_states(idx[:, i: i + self.chunk], input_pos[:, i: i + self.chunk],
-                                                 key_positions) for i in range(0, T, self.chunk)], dim=1)
+            return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
+                              for i in range(0, T, self.chunk)], dim=1)
         key_positions = self.positions if key_positions is None else key_positions  # (B, n)
         full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
         if c.sliding_window:
-            rows = torch.arange(B, device=idx.device).unsqueeze(1)
+            rows = torch.arange(B, device=x.device).unsqueeze(1)
             self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
             local = self.local_rope_cache[input_pos], attention_mask(input_pos, self.ring_positions, c.sliding_window)
-        x = self.tok_embeddings(idx) * self.embedding_scale
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
         return x
@@ -281,6 +288,9 @@ class Attention(nn.Module):
     # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
     # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
+    # Queries a row from which attention goes through PyTorch's fused SDPA kernel; cpu_decode.py
+    # raises it, so that a verify step's few queries take the two products above, fused.
+    sdpa_from = 2
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -321,7 +331,7 @@ class Attention(nn.Module):
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
-        if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
+        if T >= self.sdpa_from and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
             with sdpa_kernel(SDPA_BACKENDS):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                       enable_gqa=nh != self.n_local_heads)

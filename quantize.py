@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
-from cpu_decode import one_row_product
+from cpu_decode import compiling_few_rows, few_rows_product
 from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
@@ -88,9 +88,10 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
 
 
 class Int8Linear(nn.Module):
-    """Per-channel int8. Its kernel is chosen for its device once, by `pack`: on CPU, PyTorch's int8
-    kernel for a few rows, a fused multiply-and-sum for one row in compiled code (cpu_decode.py), and
-    a bf16 matmul of the dequantized weight for many rows (prefill), where the kernel is slower;
+    """Per-channel int8. Its kernel is chosen for its device once, by `pack`: on CPU, a fused
+    multiply-and-sum for a few rows in compiled code (cpu_decode.py), PyTorch's int8 kernel
+    for a few rows otherwise, and a bf16 matmul of the dequantized weight for many rows (prefill),
+    where the kernel is slower;
     elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
@@ -107,8 +108,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         rows = x.shape[:-1].numel()
-        if self.kernel == "cpu" and rows == 1 and torch.compiler.is_compiling():
-            y = one_row_product(x, self.weight) * self.scales  # int8 converted in registers
+        if self.kernel == "cpu" and compiling_few_rows(x):
+            y = few_rows_product(x, self.weight) * self.scales  # int8 converted in registers
         elif self.kernel == "cpu" and rows <= 16:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,188 @@
+"""Train an EAGLE-style draft head (speculative.DraftHead) for a model: minutes on a CPU.
+
+    python scripts/train_draft_head.py [--checkpoint_path X] [--text FILE] [--minutes 20]
+    python generate.py --compile --draft head --prompt "..."    # then draft with it
+
+The target reads the text once, in windows, and its last layer's output at every position is kept.
+The head then learns, at each position, what the target will do one token later: from the target's
+state at position i - 1 and the embedding of token i, it predicts the target's state at i
+(regression, as EAGLE does, in units of the states' RMS) and, through its output layer, the target's next-token distribution
+over the head's vocabulary (cross-entropy against the target's own probabilities there). That
+vocabulary is the `--vocab` tokens most frequent in the text. The input states get a little noise,
+as EAGLE's do (in the same units), since when drafting the head reads its own predictions after the first step.
+
+The default text is the documentation every Python ships (pydoc's topics). The head is saved beside
+the checkpoint as draft_head.safetensors, with its config and the target's shape in its metadata.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import generate as gen  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
+from model import Transformer, softcap  # noqa: E402
+from quantize import python_docs_text  # noqa: E402
+from speculative import HEAD_NAME, DraftHead, save_head  # noqa: E402
+
+
+def default_text() -> str:
+    """English and code every CPython ships: pydoc's topics, then the standard library's docstrings
+    (of modules, classes and functions; tests left out)."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docstrings = []
+    for path in sorted([*root.glob("*.py"), *root.glob("*/*.py")]):
+        if "test" in path.relative_to(root).as_posix() or "idlelib" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (doc := ast.get_docstring(node)) and len(doc) > 200:  # a line or two teaches little
+                    docstrings.append(doc)
+    return "\n\n".join([python_docs_text("calibration"), python_docs_text("evaluation"), *docstrings])
+
+
+@torch.no_grad()
+def target_states(target: Transformer, windows: Tensor, batch: int) -> Tensor:
+    """The target's last-layer output at every position of each window (n, W) -> (n, W, dim)."""
+    from tqdm import tqdm
+
+    n, W = windows.shape
+    target.setup_caches(batch, W)
+    states = torch.empty(n, W, target.config.dim, dtype=target.tok_embeddings.weight.dtype)
+    for i in tqdm(range(0, n, batch), desc="reading the text with the target", unit="batch"):
+        rows = windows[i: i + batch]
+        pos = torch.arange(W).expand(len(rows), -1)
+        if len(rows) < batch:  # the cache's batch size is fixed: pad the last batch
+            rows = torch.cat([rows, rows[:1].expand(batch - len(rows), -1)])
+            pos = torch.arange(W).expand(batch, -1)
+        states[i: i + batch] = target.hidden_states(rows, pos)[: min(batch, n - i)]
+    return states
+
+
+def losses(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor, scale: float, noise: float = 0.0
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """tokens (B, W), states (B, W, dim): the head at positions 1..W-1 predicts the states at those
+    positions and the target's next-token distributions from them. Returns the state regression loss
+    (in units of `scale`, the states' RMS: a model's states may be large), the cross-entropy against
+    the target's probabilities over the head's vocabulary, and the share of positions where the
+    head's top token is the target's top token among that vocabulary."""
+    B, W = tokens.shape
+    inputs = states[:, :-1].float()
+    if noise:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * scale
+    pos = torch.arange(1, W).expand(B, -1)
+    logits, predicted = head(target, tokens[:, 1:], inputs, pos)  # at positions 1..W-1
+    for layer in head.layers:  # the cache's writes must not tie one step's graph to the next
+        layer.attention.kv_cache.k_cache.detach_()
+        layer.attention.kv_cache.v_cache.detach_()
+    goal = states[:, 1:].float()
+    with torch.no_grad():  # the target's own distribution over the head's vocabulary
+        target_logits = softcap(F.linear(target.norm(goal), target.output.weight[head.vocab].float()),
+                                target.config.logit_softcap)
+        probs = target_logits.softmax(-1)
+    cross_entropy = -(probs * logits.float().log_softmax(-1)).sum(-1).mean()
+    agree = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    return F.smooth_l1_loss(predicted.float() / scale, goal / scale), cross_entropy, agree
+
+
+def train(args) -> list[float]:
+    """Train and save the head; returns the training loss at each step."""
+    from tqdm import tqdm
+
+    torch.manual_seed(0)
+    target = gen.load_model(args.checkpoint_path, args.device, args.precision).requires_grad_(False)
+    tokenizer = gen.get_tokenizer(args.checkpoint_path)
+    if args.text is not None:
+        if not Path(args.text).is_file():
+            raise UserError(f"{args.text} does not exist: give a text file, or leave out --text for Python's docs")
+        text = Path(args.text).read_text(errors="replace")
+    else:
+        text = default_text()
+    ids = torch.tensor(tokenizer.encode(text))
+    W = args.window
+    if len(ids) < 4 * W:
+        raise UserError(f"the text has {len(ids)} tokens; training needs at least {4 * W} (--window {W} x 4)")
+    windows = ids[: len(ids) // W * W].view(-1, W)[: args.max_windows]
+    held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
+    vocab_size = min(args.vocab, target.config.vocab_size)
+    vocab = ids.bincount(minlength=target.config.vocab_size).topk(vocab_size).indices.sort().values
+    print(f"{len(windows)} windows of {W} tokens; the head's vocabulary: the {vocab_size} most frequent tokens, "
+          f"{ids.bincount(minlength=target.config.vocab_size)[vocab].sum() / len(ids):.1%} of the text", file=sys.stderr)
+    states = target_states(target, windows, args.batch_size)
+    scale = states[:64].float().pow(2).mean().sqrt().item()
+
+    head = DraftHead(DraftHead.config_for(target.config, vocab_size), vocab).to(args.device)
+    with torch.no_grad():  # start from the target's own final norm and output rows
+        head.norm.weight.copy_(target.norm.weight)
+        head.output.weight.copy_(target.output.weight[vocab])
+    head.setup_caches(args.batch_size, W)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    train_rows = len(windows) - held_out
+    steps = args.epochs * (train_rows // args.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps, pct_start=0.05)
+    deadline = time.monotonic() + 60 * args.minutes
+    bar = tqdm(range(steps), desc="training the draft head", unit="step")
+    history = []
+    for step in bar:
+        if step % (train_rows // args.batch_size) == 0:
+            order = torch.randperm(train_rows)
+        batch = order[step % (train_rows // args.batch_size) * args.batch_size:][: args.batch_size]
+        regression, cross_entropy, agree = losses(head, target, windows[batch], states[batch], scale, args.noise)
+        loss = regression + args.cross_entropy_weight * cross_entropy
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        history.append(loss.item())
+        bar.set_postfix(state=f"{regression.item():.3f}", xent=f"{cross_entropy.item():.3f}", top1=f"{agree.item():.2f}")
+        if time.monotonic() > deadline:
+            print(f"\nstopped at the time limit (--minutes {args.minutes}), step {step + 1} of {steps}", file=sys.stderr)
+            break
+    with torch.no_grad():
+        agreement = [losses(head, target, windows[i: i + args.batch_size], states[i: i + args.batch_size], scale)[2]
+                     for i in range(train_rows, len(windows) - args.batch_size + 1, args.batch_size)]
+    if agreement:
+        print(f"held-out: the head's top token is the target's {torch.stack(agreement).mean():.1%} of the time "
+              f"(one step ahead, over its vocabulary)", file=sys.stderr)
+    output = args.output or gen.find_checkpoint(args.checkpoint_path).parent / HEAD_NAME
+    save_head(head.to(target.tok_embeddings.weight.dtype), output, target.config)
+    print(f"wrote {output}", file=sys.stderr)
+    return history
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=None, help="the target (default: the bundled model)")
+    p.add_argument("--text", type=Path, default=None, help="training text (default: Python's documentation)")
+    p.add_argument("--output", type=Path, default=None, help=f"default: {HEAD_NAME} beside the checkpoint")
+    p.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: this many most frequent tokens")
+    p.add_argument("--window", type=int, default=512, help="tokens the target reads at once")
+    p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows of the text")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--minutes", type=float, default=20, help="stop training after this long")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.05, help="uniform noise on the input states, +-this times their RMS")
+    p.add_argument("--cross_entropy_weight", type=float, default=0.1)
+    p.add_argument("--device", default=gen.default_device())
+    p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16", help="the target's")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run_cli(train, parse_args())

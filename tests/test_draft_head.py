@@ -1,0 +1,101 @@
+"""The trained draft head: the training script on a tiny model and a short text (its loss goes down,
+the saved head loads and drafts), exact greedy output with it, and its one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import speculative
+from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, single, write_safetensors
+from errors import UserError
+from generate import generate, get_tokenizer, load_model
+from model import ModelArgs, Transformer
+from quantize import python_docs_text
+from speculative import DraftHead, HeadDrafter
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import train_draft_head  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, bundled_checkpoint) -> Path:
+    """A 2-layer model with random weights and the bundled model's tokenizer, as a checkpoint."""
+    directory = tmp_path_factory.mktemp("tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_checkpoint.parent / name, directory / name)
+    config = ModelArgs(vocab_size=49152, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       block_size=512)
+    (directory / CONFIG_NAME).write_text(json.dumps(config.__dict__))
+    torch.manual_seed(0)
+    state = Transformer(config).state_dict()
+    write_safetensors(directory / CHECKPOINT_NAME, [single(n, t.dtype, t.shape, lambda t=t: t) for n, t in state.items()])
+    return directory / CHECKPOINT_NAME
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, tmp_path_factory):
+    text = tmp_path_factory.mktemp("text") / "text.txt"
+    text.write_text(python_docs_text("calibration")[:30000])
+    args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
+                                        "--window", "64", "--batch_size", "4", "--epochs", "4", "--vocab", "1024",
+                                        "--lr", "3e-3", "--precision", "fp32"])
+    return train_draft_head.train(args)
+
+
+def test_training_lowers_the_loss_and_saves_a_head_that_loads(trained, tiny_checkpoint):
+    history = trained
+    tenth = max(1, len(history) // 10)
+    first, last = sum(history[:tenth]) / tenth, sum(history[-tenth:]) / tenth
+    assert last < 0.8 * first, (first, last)
+    target = load_model(tiny_checkpoint, "cpu", "fp32")
+    head = speculative.load_head(tiny_checkpoint.parent / speculative.HEAD_NAME, target)
+    assert head.config.n_layer == 1 and len(head.vocab) == 1024 and head.fc.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_with_the_trained_head_is_plain_greedy(trained, tiny_checkpoint, k):
+    target = load_model(tiny_checkpoint, "cpu", "fp32")
+    head = speculative.load_head(tiny_checkpoint.parent / speculative.HEAD_NAME, target)
+    tokenizer = get_tokenizer(tiny_checkpoint)
+    prompts = [torch.tensor(tokenizer.encode(t)) for t in ("The built-in function", "Each object has an identity, a")]
+    for batch in ([prompts[0]], prompts):
+        plain = generate(target, batch, 20, temperature=0)
+        stats = {}
+        spec = generate(target, batch, 20, temperature=0, drafter=HeadDrafter(head), speculate_k=k, stats=stats)
+        assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
+        assert sum(stats["accepted_counts"]) > 0 and stats["plain_steps"] == 0
+
+
+def test_greedy_with_a_head_on_the_bundled_model_is_plain_greedy(model_fp32, bundled_checkpoint):
+    """A random head on the real model: it drafts nonsense, and the output is still the target's."""
+    torch.manual_seed(0)
+    vocab = torch.randperm(model_fp32.config.vocab_size)[:4096].sort().values
+    head = DraftHead(DraftHead.config_for(model_fp32.config, 4096), vocab).eval()
+    tokenizer = get_tokenizer(bundled_checkpoint)
+    prompts = [torch.tensor(tokenizer.encode(t)) for t in ("Once upon a time,", "def add(a, b):\n    return")]
+    plain = generate(model_fp32, prompts, 16, temperature=0)
+    spec = generate(model_fp32, prompts, 16, temperature=0, drafter=HeadDrafter(head), speculate_k=3)
+    assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
+
+
+def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, model_fp32, tmp_path):
+    path = tiny_checkpoint.parent / speculative.HEAD_NAME
+    with pytest.raises(UserError, match="was trained for a model with"):
+        speculative.load_head(path, model_fp32)
+    with pytest.raises(UserError, match="no draft head at .*train_draft_head.py"):
+        speculative.load_head(tmp_path / "nothing.safetensors", model_fp32)
+    with pytest.raises(UserError, match="is not a draft head"):
+        speculative.load_head(tiny_checkpoint, model_fp32)
+    shutil.copytree(tiny_checkpoint.parent, tmp_path / "copy")
+    (tmp_path / "copy" / speculative.HEAD_NAME).unlink()
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(tmp_path / "copy" / CHECKPOINT_NAME),
+                             "--draft", "head", "--prompt", "hi", "--max_new_tokens", "4"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "no draft head at" in result.stderr and "train_draft_head.py" in result.stderr
