@@ -61,13 +61,14 @@ def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Ten
     return sample(prefill_logits(model, idx, lengths)[:, 0], **sampling)
 
 
-def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor) -> Tensor:
+def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, states: bool = False):
     """Fill the cache with the prompts, `model.chunk` positions a forward, so that activation memory is
     bounded by the chunk whatever the prompt's length, and compiled prefill sees a few shapes only.
-    Returns the logits of each row's last prompt position, (B, 1, V)."""
+    Returns the logits of each row's last prompt position, (B, 1, V); with states, also the last
+    layer's output at every position (B, T, dim), for a drafter that reads them."""
     T = idx.shape[1]
     positions, last = prompt_positions(lengths, T, model.chunk), lengths - 1
-    logits = None
+    logits, hidden = None, []
     for start in range(0, T, model.chunk):
         end = min(start + model.chunk, T)
         # each row's logits come from the chunk that holds its last position
@@ -76,16 +77,21 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor) -> Tensor:
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
         ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
-        chunk_logits = prefill_chunk(model, ids, pos, in_chunk_last, key_positions(model, end))
+        chunk_logits, chunk_states = prefill_chunk(model, ids, pos, in_chunk_last, key_positions(model, end))
         mine = ((last >= start) & (last < end)).view(-1, 1, 1)
         logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
-    return logits
+        if states:
+            hidden.append(chunk_states)
+    return (logits, torch.cat(hidden, dim=1)) if states else logits
 
 
-def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor) -> Tensor:
-    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,).
-    keys: key_positions()."""
-    return model(idx, input_pos, last=last, key_positions=keys)
+def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,),
+    (B, 1, V), and the last layer's output (B, t, dim). keys: key_positions()."""
+    x = model.hidden_states(idx, input_pos, keys)
+    rows = torch.arange(x.shape[0], device=x.device)
+    return model.logits(x[rows, last].unsqueeze(1)), x
 
 
 def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:

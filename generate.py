@@ -254,7 +254,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     drafter = load_drafter(args, checkpoint_path, model, device, rank, world_size)
     if args.compile:
-        for m in (model, getattr(drafter, "model", None)):
+        for m in (model, getattr(drafter, "model", None), getattr(drafter, "head", None)):
             if m is not None:
                 cpu_decode.apply(m)
         decode.compile_steps(dynamic_prefill=args.compile_prefill)
@@ -337,6 +337,9 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str, r
         return speculative.DraftModel(load_model(path, device, args.precision))
     if args.draft == "prompt-lookup":
         return speculative.PromptLookup()
+    if args.draft == "head" or args.draft_head:
+        path = args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME
+        return speculative.HeadDrafter(speculative.load_head(path, model))
     return None
 
 
@@ -408,9 +411,12 @@ def parse_args(argv=None):
     p.add_argument("--top_p", type=float, default=None, help="sample from the smallest set of tokens holding this mass")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (same vocabulary as the target)")
-    p.add_argument("--draft", choices=["prompt-lookup", "self-int4"], default=None,
-                   help="speculative decoding, drafting from n-grams of the text so far, or with an int4 copy "
-                        "of the target")
+    p.add_argument("--draft", choices=["prompt-lookup", "self-int4", "head"], default=None,
+                   help="speculative decoding, drafting from n-grams of the text so far, with an int4 copy "
+                        "of the target, or with the draft head trained for it (scripts/train_draft_head.py)")
+    p.add_argument("--draft_head", type=Path, default=None,
+                   help=f"speculative decoding with this draft head (default with --draft head: "
+                        f"{speculative.HEAD_NAME} beside the checkpoint)")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
     p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
@@ -428,8 +434,9 @@ def parse_args(argv=None):
         p.error("--prefill_chunk must be at least 1")
     if args.compile_prefill and not args.compile:
         p.error("--compile_prefill goes with --compile")
-    if args.draft and args.draft_checkpoint_path:
-        p.error("--draft and --draft_checkpoint_path are two drafters: choose one")
+    drafters = (args.draft_checkpoint_path, args.draft_head or args.draft == "head", args.draft not in (None, "head"))
+    if sum(map(bool, drafters)) > 1:
+        p.error("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
     return args
 
 

@@ -7,26 +7,41 @@ number of tokens and moves on at its own position in the static caches.
 
 A drafter is one object with one job: given the text so far, propose k tokens (and, when sampling,
 its probabilities for them). Three are here: `DraftModel` (a smaller model sharing the target's
-vocabulary, or the target quantized to int4), and `PromptLookup` (the continuation of the latest
-earlier occurrence of the last n-gram, no model). A new drafter subclasses `Drafter`; the loop in
+vocabulary, or the target quantized to int4), `PromptLookup` (the continuation of the latest
+earlier occurrence of the last n-gram, no model), and `HeadDrafter`, a small head trained on the
+target's own hidden states (`DraftHead`, EAGLE-style; scripts/train_draft_head.py trains one). A new
+drafter subclasses `Drafter`; the loop in
 `speculative_generate` knows none of their details. Use it through
 `generate.generate(..., drafter=DraftModel(small_model))`.
 """
 
+import dataclasses
+import json
+from pathlib import Path
+
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 import decode
+from checkpoint import read_safetensors, single, write_safetensors
 from errors import UserError
-from model import PREFILL_CHUNK, Transformer
+from model import PREFILL_CHUNK, ModelArgs, Transformer
 
 
 class Drafter:
     """Proposes draft tokens for speculative decoding. tokens (B, L) hold each row's text so far,
-    right-padded; lengths (B,) how much of each row is text."""
+    right-padded; lengths (B,) how much of each row is text. A drafter that reads the target's
+    hidden states (`reads_states`) gets those of the prompt in `start` and those of each verify step
+    in `accepted`; it must then always propose, as the target's plain steps keep theirs to themselves."""
 
-    def start(self, target: Transformer, tokens: Tensor, prompt_lengths: Tensor, cache_length: int, **sampling):
-        """Called once per generate() call, after the target's prefill: tokens hold the prompts."""
+    reads_states = False
+
+    def start(self, target: Transformer, tokens: Tensor, prompt_lengths: Tensor, cache_length: int,
+              states: Tensor | None = None, **sampling):
+        """Called once per generate() call, after the target's prefill: tokens hold the prompts, and the
+        first new token after each; states (B, T, dim), if read, the target's last layer at each prompt
+        position."""
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, **sampling) -> tuple[Tensor, Tensor | None] | None:
         """k drafts a row (B, k) and, when sampling, the drafter's probabilities for them (B, k, V), or
@@ -34,9 +49,9 @@ class Drafter:
         no proposal this round, the target takes a plain step."""
         raise NotImplementedError
 
-    def accepted(self, n: Tensor, active: Tensor):
+    def accepted(self, n: Tensor, active: Tensor, states: Tensor):
         """What the target kept of the last proposal: n (B,) drafts per row; active (B,) the rows still
-        generating."""
+        generating; states (B, k + 1, dim) the target's last layer at the positions it verified."""
 
 
 class DraftModel(Drafter):
@@ -45,7 +60,7 @@ class DraftModel(Drafter):
     def __init__(self, model: Transformer):
         self.model = model
 
-    def start(self, target, tokens, prompt_lengths, cache_length, **sampling):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
@@ -86,7 +101,7 @@ class PromptLookup(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, target, tokens, prompt_lengths, cache_length, **sampling):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
         self.backoff = self.skip = 0  # plain steps to take before drafting again
 
     def propose(self, tokens, lengths, k, **sampling):
@@ -97,10 +112,144 @@ class PromptLookup(Drafter):
         drafts, found = prompt_lookup(tokens, lengths, k, self.max_ngram, self.min_ngram)
         return (drafts, None) if found.any() else None
 
-    def accepted(self, n, active):
+    def accepted(self, n, active, states):
         kept_enough = (n >= min(2, self.k)) & active  # two drafts, or the only one there was
         self.backoff = 0 if kept_enough.any() else min(4 * self.backoff or 2, 64)
         self.skip = self.backoff
+
+
+class DraftHead(Transformer):
+    """An EAGLE-style draft head (Li et al., 2024): one transformer layer over the target's own
+    last-layer states. At position i it reads the target's state at i - 1 with the target's
+    embedding of token i, and predicts the target's state at i, from which its output layer scores
+    the next token among `vocab`, the most frequent tokens of its training text (a head over the
+    whole vocabulary would cost a draft step as much as a small model's). Its attention keeps its own
+    cache, so it sees the whole text, through the target's states. config: the target's, with one
+    layer and vocab_size = len(vocab)."""
+
+    def __init__(self, config: ModelArgs, vocab: Tensor):
+        super().__init__(config)
+        del self.tok_embeddings  # its inputs are the target's embeddings
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.register_buffer("vocab", vocab)  # (N,): the target's id of each of its tokens
+
+    @staticmethod
+    def config_for(target: ModelArgs, vocab_size: int) -> ModelArgs:
+        """The head's shape for a target: one dense layer of the target's, attending to every position."""
+        return dataclasses.replace(target, n_layer=1, vocab_size=vocab_size, tie_embeddings=False,
+                                   sliding_window=None, sliding_layers=None, n_experts=0, moe_layers=None)
+
+    def forward(self, target: Transformer, tokens: Tensor, states: Tensor, input_pos: Tensor,
+                key_positions: Tensor | None = None, last: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """tokens (B, T) at input_pos (B, T); states (B, T, dim): the target's at the positions before.
+        Returns the logits over vocab (B, T, N) and the predicted states (B, T, dim), at every position
+        or, with last (B,), at each row's index last into T (B, 1, ...)."""
+        embeddings = target.tok_embeddings(tokens) * target.embedding_scale
+        x = torch.cat([embeddings, states], dim=-1).to(self.fc.weight.dtype)  # (B, T, 2 * dim)
+        x = self.blocks(self.fc(x), input_pos, key_positions)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
+        return self.logits(x), x
+
+
+HEAD_NAME = "draft_head.safetensors"  # beside the target's checkpoint
+
+
+def save_head(head: DraftHead, path: Path, target: ModelArgs):
+    metadata = {"draft_head": json.dumps(dataclasses.asdict(head.config)),
+                "target": json.dumps(dict(vocab_size=target.vocab_size, dim=target.dim))}
+    tensors = [single(name, t.dtype, t.shape, lambda t=t: t) for name, t in head.state_dict().items()]
+    write_safetensors(path, tensors, metadata, desc="writing the draft head")
+
+
+def load_head(path: Path, target: Transformer) -> DraftHead:
+    """The head at path, in the target's dtype on its device; one line saying what to run when it is
+    missing or belongs to another model."""
+    path = Path(path)
+    train = "train one: python scripts/train_draft_head.py --checkpoint_path <the target's checkpoint>"
+    if not path.is_file():
+        raise UserError(f"no draft head at {path}: {train}")
+    weight = target.tok_embeddings.weight
+    tensors, metadata = read_safetensors(path, weight.device, weight.dtype)
+    if "draft_head" not in metadata:
+        raise UserError(f"{path} is not a draft head: {train}")
+    trained_for = json.loads(metadata["target"])
+    mine = dict(vocab_size=target.config.vocab_size, dim=target.config.dim)
+    if trained_for != mine:
+        raise UserError(f"the draft head {path} was trained for a model with {trained_for}, not this one's "
+                        f"{mine}: {train}")
+    head = DraftHead(ModelArgs(**json.loads(metadata["draft_head"])), tensors["vocab"])
+    head.load_state_dict(tensors, assign=True)
+    return head.eval()
+
+
+class HeadDrafter(Drafter):
+    """Drafts with a DraftHead: one head step a token, no layer of the target. After each verify
+    step, one head forward over its k + 1 positions writes what the target saw there (its states, the
+    accepted tokens) into the head's cache, and its output at each row's last text position gives the
+    first draft; k - 1 single steps, each fed the head's own predicted state, give the rest."""
+
+    reads_states = True
+
+    def __init__(self, head: DraftHead):
+        self.head = head
+
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
+        if self.head.config.dim != target.config.dim or int(self.head.vocab.max()) >= target.config.vocab_size:
+            raise UserError("the draft head does not fit the target (its width or vocabulary differs): train one "
+                            "for it with scripts/train_draft_head.py")
+        self.target = target
+        self.head.setup_caches(tokens.shape[0], cache_length, target.chunk)
+        self.last_position = cache_length - 1
+        # the prompt: position i reads the target's state at i - 1 and token i (the first new one at the end)
+        B, T, _ = states.shape
+        positions = torch.arange(1, T + 1, device=tokens.device).expand(B, -1)
+        for start in range(0, T, self.head.chunk):
+            end = min(start + self.head.chunk, T)
+            last = (prompt_lengths - 1 - start).clamp(0, end - start - 1)
+            logits, state = self.head(target, tokens[:, start + 1: end + 1], states[:, start:end],  # eager: any length
+                                      positions[:, start:end], decode.key_positions(self.head, end + 1), last)
+            mine = ((prompt_lengths - 1 >= start) & (prompt_lengths - 1 < end)).view(-1, 1, 1)
+            self.next = (logits, state) if start == 0 else tuple(torch.where(mine, new, old) for new, old in
+                                                                 zip((logits, state), self.next))
+        self.verified = None
+
+    def propose(self, tokens, lengths, k, **sampling):
+        if self.verified is not None:  # the last verify step's positions, as the target saw them
+            states, first = self.verified  # (B, k + 1, dim); first (B,): the position of their first state + 1
+            offsets = torch.arange(states.shape[1], device=tokens.device)
+            pos = (first[:, None] + offsets).clamp(max=self.last_position)
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+            last = (lengths - 1 - first).clamp(0, states.shape[1] - 1)  # each row's last text position
+            keys = decode.key_positions(self.head, int(first.max()) + states.shape[1])
+            self.next = head_step(self.head, self.target, tokens[rows, first[:, None] + offsets], states, pos, keys, last)
+        logits, state = self.next
+        keys = decode.key_positions(self.head, int(lengths.max()) + k)
+        drafts, probs = [], []
+        for i in range(k):
+            if i > 0:
+                pos = (lengths + i - 1)[:, None].clamp(max=self.last_position)
+                logits, state = head_step(self.head, self.target, drafts[-1], state, pos, keys)
+            if sampling["temperature"] == 0:
+                drafts.append(self.head.vocab[logits[:, -1].argmax(-1, keepdim=True)])
+            else:
+                q = decode.logits_to_probs(logits[:, -1], **sampling)  # (B, N)
+                choice = decode.sample_from(q)
+                drafts.append(self.head.vocab[choice])
+                probs.append(torch.zeros(q.shape[0], self.target.config.vocab_size, device=q.device)
+                             .scatter_(1, self.head.vocab.expand(q.shape[0], -1), q))
+        self.lengths = lengths
+        return torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
+
+    def accepted(self, n, active, states):
+        self.verified = states, self.lengths  # verified at positions lengths - 1 ...: the head's at lengths ...
+
+
+def head_step(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor, pos: Tensor, keys: Tensor,
+              last: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """DraftHead.forward, cloned: CUDA graphs reuse their output buffers."""
+    logits, state = head(target, tokens, states, pos, keys, last)
+    return logits.clone(), state.clone()
 
 
 def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_tokens: int, drafter: Drafter, *,
@@ -131,10 +280,14 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     tokens = torch.zeros(B, cache_length + k + 1, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p.to(device)
-    cur = decode.prefill(model, tokens[:, :T], prompt_lengths, **sampling).clone()  # (B, 1)
-    drafter.start(model, tokens, prompt_lengths, cache_length, **sampling)
+    if drafter.reads_states:
+        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths, states=True)
+    else:
+        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths), None
+    cur = decode.sample(logits[:, 0], **sampling)  # (B, 1)
     rows = torch.arange(B, device=device)
     tokens[rows, prompt_lengths] = cur[:, 0]
+    drafter.start(model, tokens, prompt_lengths, cache_length, states, **sampling)
     lengths = prompt_lengths + 1  # cur is text, not yet in the target's cache
     limit = prompt_lengths + max_new_tokens
     stops = torch.tensor(stop_ids or [], device=device)
@@ -155,9 +308,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             plain_steps += 1
         else:
             drafts, draft_probs = proposal
-            n, next_token = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys, **sampling)
+            n, next_token, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys, **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
-            drafter.accepted(n, ~done)
+            drafter.accepted(n, ~done, states)
         # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
         emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
         n = torch.where(done, -1, n)  # finished rows stand still
@@ -212,25 +365,27 @@ def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, m
 
 def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor | None, lengths: Tensor,
            cache_length: int, keys: Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None) -> tuple[Tensor, Tensor]:
+           top_p: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Score cur and the k drafts in one forward of the target, writing them into its cache; keys:
     decode.key_positions() above all of their positions. Returns each row's number of accepted
-    drafts n (B,) and the token that follows them (B,)."""
+    drafts n (B,), the token that follows them (B,), and the target's last-layer states (B, k + 1, dim)."""
     k = drafts.shape[1]
     x = torch.cat([cur, drafts], dim=1)  # (B, k + 1)
     pos = ((lengths - 1)[:, None] + torch.arange(k + 1, device=x.device)).clamp(max=cache_length - 1)
-    logits = target_step(model, x, pos, keys)  # (B, k + 1, V)
+    logits, states = target_step(model, x, pos, keys)  # (B, k + 1, V), (B, k + 1, dim)
     if temperature == 0:
-        return accept_greedy(logits, drafts)
+        return *accept_greedy(logits, drafts), states
     B, _, V = logits.shape
     target_probs = decode.logits_to_probs(logits.view(-1, V), temperature, top_k, top_p).view(B, k + 1, V)
     if draft_probs is None:  # all of the draft's probability on its token
         draft_probs = torch.zeros(B, k, V, device=x.device).scatter_(2, drafts[..., None], 1.0)
-    return accept_sampled(target_probs, draft_probs, drafts)
+    return *accept_sampled(target_probs, draft_probs, drafts), states
 
 
-def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
-    return model(x, pos, key_positions=keys).clone()
+def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's logits (B, T, V) and last-layer states (B, T, dim) for x (B, T) at pos (B, T)."""
+    states = model.hidden_states(x, pos, keys)
+    return model.logits(states).clone(), states.clone()  # clone: CUDA graphs reuse their output buffers
 
 
 def accept_greedy(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
@@ -263,8 +418,9 @@ def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor) ->
 def compile_steps():
     """Compile the draft model's step and the target's verify step, each with fixed shapes (CUDA
     graphs on GPU)."""
-    global draft_step, target_step
+    global draft_step, target_step, head_step
     draft_step = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    head_step = torch.compile(head_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     target_step = torch.compile(target_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 

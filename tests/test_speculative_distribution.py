@@ -21,7 +21,7 @@ import decode
 import speculative
 from generate import generate
 from model import ModelArgs, Transformer
-from speculative import DraftModel, PromptLookup
+from speculative import DraftHead, DraftModel, HeadDrafter, PromptLookup
 
 V = 8
 CONFIG = ModelArgs(vocab_size=V, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=64,
@@ -213,14 +213,23 @@ class LookupEveryOtherRound(PromptLookup):
         return None if self.round % 2 == 0 else super().propose(tokens, lengths, k, **sampling)
 
 
+def random_head() -> DraftHead:
+    """A draft head with random weights over 6 of the 8 tokens: tokens 4 and 6 are never drafted."""
+    torch.manual_seed(2)
+    return DraftHead(DraftHead.config_for(CONFIG, 6), torch.tensor([0, 1, 2, 3, 5, 7])).eval()
+
+
 DRAFTERS = {"draft-model": lambda draft: DraftModel(draft), "prompt-lookup": lambda draft: PromptLookup(),
-            "lookup-every-other-round": lambda draft: LookupEveryOtherRound()}
+            "lookup-every-other-round": lambda draft: LookupEveryOtherRound(),
+            "draft-head": lambda draft: HeadDrafter(random_head())}
 CASES = [  # drafter, sampling, speculate_k: k varies so that a row's 3 tokens take 1 to 3 rounds
     pytest.param("draft-model", "plain", 2, id="draft-model-T1-k2"),
     pytest.param("draft-model", "filtered", 3, id="draft-model-T0.7-topk5-topp0.9-k3"),
     pytest.param("prompt-lookup", "plain", 4, id="prompt-lookup-T1-k4"),
     pytest.param("prompt-lookup", "filtered", 1, id="prompt-lookup-T0.7-topk5-topp0.9-k1"),
     pytest.param("lookup-every-other-round", "plain", 2, id="lookup-every-other-round-T1-k2"),
+    pytest.param("draft-head", "plain", 2, id="draft-head-T1-k2"),
+    pytest.param("draft-head", "filtered", 3, id="draft-head-T0.7-topk5-topp0.9-k3"),
 ]
 
 
