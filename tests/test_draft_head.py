@@ -99,3 +99,13 @@ def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, 
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "no draft head at" in result.stderr and "train_draft_head.py" in result.stderr
+
+
+def test_two_drafters_on_the_command_line_are_refused(capsys):
+    from generate import parse_args
+
+    assert parse_args(["--draft", "head", "--draft_head", "h.safetensors"]).draft_head == Path("h.safetensors")
+    for argv in (["--draft", "prompt-lookup", "--draft_head", "h"], ["--draft_checkpoint_path", "d", "--draft", "head"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "name different drafters" in capsys.readouterr().err
