@@ -331,7 +331,7 @@ def hf_rows(ladder: Ladder, model: Transformer):
 def speculative_rows(ladder: Ladder, model: Transformer):
     """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
     args = ladder.args
-    for name, kw in drafters(args).items():
+    for name, kw in drafters(args, model).items():
         stats = {}
         gen.generate(model, ladder.prompt, args.max_new_tokens, speculate_k=args.speculate_k, stats=stats, **kw)
         ladder.ours(f"ours {args.precision} compiled + {name}", model, speculate_k=args.speculate_k,
@@ -339,10 +339,16 @@ def speculative_rows(ladder: Ladder, model: Transformer):
                          f"drafts kept", **kw)
 
 
-def drafters(args) -> dict:
-    """generate()'s speculative arguments for each drafter: prompt lookup, and --draft_checkpoint_path's
-    model, compiled."""
+def drafters(args, target: Transformer) -> dict:
+    """generate()'s speculative arguments for each drafter: prompt lookup, the draft head trained for
+    the target (--draft_head, or the one beside its checkpoint), and --draft_checkpoint_path's model,
+    compiled."""
     found = {"prompt lookup": dict(drafter=speculative.PromptLookup())}
+    head = args.draft_head or gen.find_checkpoint(args.checkpoint_path).parent / speculative.HEAD_NAME
+    if args.draft_head or head.is_file():  # scripts/train_draft_head.py writes it there
+        draft_head = speculative.load_head(head, target)
+        cpu_decode.apply(draft_head)
+        found["draft head"] = dict(drafter=speculative.HeadDrafter(draft_head))
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
         cpu_decode.apply(draft_model)
@@ -444,36 +450,64 @@ SPECULATIVE_PROMPTS = {
 
 @torch.no_grad()
 def speculative_main(args):
-    """Plain decoding against each drafter, compiled, on real prompts; acceptance and speedup."""
+    """What a verify step costs against a plain step (--precision's model, int8 and int4), then plain
+    decoding against each drafter, compiled, on real prompts: acceptance and speedup, greedy and at
+    each of --temperatures."""
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
     cpu_decode.apply(model)
     decode.compile_steps()
-    drafts = drafters(args)
+    # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
+    torch._dynamo.config.recompile_limit = 64
+    drafts = drafters(args, model)
+    rows = [verify_cost(name, m, args) for name, m in
+            [(args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
-          f"{args.max_new_tokens} new tokens, greedy, k={args.speculate_k}, median of {args.runs}")
-    print(f"{'prompt':12} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
-    rows = []
-    for name, text in SPECULATIVE_PROMPTS.items():
-        prompt = torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device)
+          f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs}")
+    print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
+    for temperature in args.temperatures:
+        for name, text in SPECULATIVE_PROMPTS.items():
+            prompt = torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device)
 
-        def run(**kw):
-            gen.generate(model, prompt, args.max_new_tokens, temperature=0, speculate_k=args.speculate_k, **kw)
+            def run(**kw):
+                torch.manual_seed(0)
+                return gen.generate(model, prompt, args.max_new_tokens, temperature=temperature,
+                                    speculate_k=args.speculate_k, **kw)
 
-        run()
-        plain = statistics.median(timed(run, args.device) for _ in range(args.runs))
-        for drafter, kwargs in drafts.items():
-            run(**kwargs)
-            spec = statistics.median(timed(lambda: run(**kwargs), args.device) for _ in range(args.runs))
-            stats = {}
-            run(**kwargs, stats=stats)
-            n = args.max_new_tokens
-            print(f"{name:12} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
-                  f"{speculative.format_stats(stats, args.speculate_k)}")
-            rows.append(dict(prompt=name, drafter=drafter, plain_tok_s=n / plain, speculative_tok_s=n / spec,
-                             speedup=plain / spec, **stats))
+            run()
+            plain = statistics.median(timed(run, args.device) for _ in range(args.runs))
+            for drafter, kwargs in drafts.items():
+                run(**kwargs)
+                spec = statistics.median(timed(lambda: run(**kwargs), args.device) for _ in range(args.runs))
+                stats = {}
+                run(**kwargs, stats=stats)
+                n = args.max_new_tokens
+                print(f"{name:12} {temperature:3} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
+                      f"{speculative.format_stats(stats, args.speculate_k)}")
+                rows.append(dict(prompt=name, temperature=temperature, drafter=drafter, plain_tok_s=n / plain,
+                                 speculative_tok_s=n / spec, speedup=plain / spec, **stats))
     if args.json:
         write_json(args, rows=rows)
+
+
+def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
+    """Median ms of a compiled plain step (one token) and of a compiled verify step (k + 1 tokens), at
+    `depth`, and their ratio: what a speculative round costs beyond its drafts."""
+    model.setup_caches(1, decode.padded_length(depth + 64, model.config.block_size))
+    token = torch.zeros(1, 1, dtype=torch.long, device=args.device)
+    tokens = token.expand(1, args.speculate_k + 1)
+    positions = depth + torch.arange(args.speculate_k + 1, device=args.device)[None]
+    keys = decode.key_positions(model, depth + args.speculate_k + 1)
+    steps = {"plain": lambda: decode.decode_one_token(model, token, positions[:, :1], keys),
+             "verify": lambda: speculative.target_step(model, tokens, positions, keys)}
+    ms = {}
+    for step, run in steps.items():
+        run(), run()  # compiles, the first time
+        ms[step] = statistics.median(timed(lambda: [run() for _ in range(20)], args.device)
+                                     for _ in range(args.runs)) / 20 * 1e3
+    print(f"{name}: plain step {ms['plain']:.2f} ms, verify step of {args.speculate_k + 1} tokens "
+          f"{ms['verify']:.2f} ms = {ms['verify'] / ms['plain']:.2f}x", flush=True)
+    return dict(verify_cost=name, plain_ms=ms["plain"], verify_ms=ms["verify"], ratio=ms["verify"] / ms["plain"])
 
 
 @torch.no_grad()
@@ -685,7 +719,12 @@ if __name__ == "__main__":
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")
+    p.add_argument("--draft_head", type=Path, default=None,
+                   help=f"a draft head for the speculative rungs (default: {speculative.HEAD_NAME} beside the "
+                        f"checkpoint, if there is one)")
     p.add_argument("--speculate_k", type=int, default=5)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="with --speculative: greedy (0) and/or sampling at these temperatures")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     if bool(args.model) != args.random_weights:
