@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head (speculative.DraftHead) for a model: minutes on a CPU.
 
-    python scripts/train_draft_head.py [--checkpoint_path X] [--text FILE] [--minutes 20]
+    python scripts/train_draft_head.py [--checkpoint_path X] [--text FILE] [--minutes 22]
     python generate.py --compile --draft head --prompt "..."    # then draft with it
 
 The target reads the text once, in windows, and its last layer's output at every position is kept.
@@ -175,8 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows of the text")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--minutes", type=float, default=20, help="stop training after this long")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--minutes", type=float, default=22, help="stop training after this long")
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on the input states, +-this times their RMS")
     p.add_argument("--cross_entropy_weight", type=float, default=0.1)
     p.add_argument("--device", default=gen.default_device())
