@@ -84,6 +84,5 @@ def apply(model: Transformer):
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
             module.matmul = fused_matmul
-            module.sdpa_from = FEW_ROWS + 1
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -288,9 +288,6 @@ class Attention(nn.Module):
     # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
     # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
-    # Queries a row from which attention goes through PyTorch's fused SDPA kernel; cpu_decode.py
-    # raises it, so that a verify step's few queries take the two products above, fused.
-    sdpa_from = 2
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -331,7 +328,7 @@ class Attention(nn.Module):
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
-        if T >= self.sdpa_from and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
+        if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
             with sdpa_kernel(SDPA_BACKENDS):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                       enable_gqa=nh != self.n_local_heads)
