@@ -8,7 +8,7 @@ and `decode.decode_one_token`, so that they get whichever is current.
 import torch
 from torch import Tensor
 
-from model import Transformer
+from model import Transformer, rows_at
 
 # a forward reads the caches' slots in blocks of this many: those below its last position, rounded up
 KV_BLOCK = 256
@@ -90,8 +90,7 @@ def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tens
     """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,),
     (B, 1, V), and the last layer's output (B, t, dim). keys: key_positions()."""
     x = model.hidden_states(idx, input_pos, keys)
-    rows = torch.arange(x.shape[0], device=x.device)
-    return model.logits(x[rows, last].unsqueeze(1)), x
+    return model.logits(rows_at(x, last)), x
 
 
 def prompt_positions(lengths: Tensor, T: int, chunk: int) -> Tensor:

@@ -215,9 +215,7 @@ class Transformer(nn.Module):
         position of input_pos: attention then reads only those n slots of each full cache, so that
         a step costs what the depth needs, not what the cache holds. None: the whole cache."""
         x = self.hidden_states(idx, input_pos.expand(idx.shape), key_positions)  # (B, T, dim)
-        if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), last.view(x.shape[0], -1)]
-        return self.logits(x)
+        return self.logits(x if last is None else rows_at(x, last))
 
     def logits(self, x: Tensor) -> Tensor:
         """The last layer's output (B, T, dim) -> logits (B, T, vocab_size)."""
@@ -252,6 +250,11 @@ def check_kv_cache_dtype(dtype: torch.dtype | None, device: torch.device):
     if dtype == torch.float8_e4m3fn and not has_fp8:
         raise UserError("an fp8 KV cache needs a GPU with fp8 (compute capability 8.9 or newer: Ada, Hopper, "
                         "Blackwell): use --kv_cache_dtype int8 (torch.int8) here")
+
+
+def rows_at(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, T, ...) at each row's own indices into T, index (B,) or (B, n) -> (B, 1 or n, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device).unsqueeze(1), index.view(x.shape[0], -1)]
 
 
 def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor
 import decode
 from checkpoint import read_safetensors, single, write_safetensors
 from errors import UserError
-from model import PREFILL_CHUNK, ModelArgs, Transformer
+from model import PREFILL_CHUNK, ModelArgs, Transformer, rows_at
 
 
 class Drafter:
@@ -148,7 +148,7 @@ class DraftHead(Transformer):
         x = torch.cat([embeddings, states], dim=-1).to(self.fc.weight.dtype)  # (B, T, 2 * dim)
         x = self.blocks(self.fc(x), input_pos, key_positions)
         if last is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
+            x = rows_at(x, last)
         return self.logits(x), x
 
 
