@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from errors import UserError, run_cli
+from decode import key_positions
 from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
@@ -140,35 +141,74 @@ class HarnessModel(HarnessLM):
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log-probability of the continuation after the context, whether greedy decoding gives it)
         for each pair of token lists. A text longer than the model keeps its last max_length tokens.
-        Requests with the same input (one context, one-token answers: multiple choice) share a forward."""
-        by_input = {}  # the model's input (the text but its last token) -> the requests that score it
+
+        Requests that share a prefix, the text up to the token that predicts the continuation's first
+        (the choices of one question), share its forward: it fills the cache once, and each choice's
+        other tokens then run in a row of their own that reads the prefix's keys and values. (The
+        harness's HF backend shares a forward only between one-token choices.)"""
+        by_prefix = {}  # prefix -> [(request, the tokens it scores)]
         for i, (context, continuation) in enumerate(pairs):
-            by_input.setdefault(tuple((context + continuation)[-(self.max_length + 1):][:-1]), []).append(i)
-        inputs = sorted(by_input, key=len, reverse=True)  # longest first: less padding, the cache sized once
+            tokens = (context + continuation)[-(self.max_length + 1):]
+            split = max(1, len(tokens) - len(continuation))
+            by_prefix.setdefault(tuple(tokens[:split]), []).append((i, tokens[split:]))
         results = [None] * len(pairs)
-        for batch in tqdm(list(batched(inputs, self.batch_size)), desc="scoring", unit="batch", leave=False):
-            n = [max(len(pairs[i][1]) for i in by_input[row]) for row in batch]  # positions scored, at the end
-            logprobs = self.last_logprobs(batch, n)  # (B, max n, V)
-            for r, row in enumerate(batch):
-                for i in by_input[row]:
-                    target = torch.tensor(pairs[i][1])
-                    own = logprobs[r, n[r] - len(target): n[r]]
-                    results[i] = (own.gather(-1, target[:, None]).sum().item(), bool((own.argmax(-1) == target).all()))
+        for batch in tqdm(self.batches(by_prefix), desc="scoring", unit="batch", leave=False):
+            prefixes = [list(prefix) for prefix, _ in batch]
+            longest_rest = max(len(targets) - 1 for _, members in batch for _, targets in members)
+            self.model.setup_caches(len(batch), len(prefixes[0]) + longest_rest)
+            after_prefix = self.logprobs(prefixes, [0] * len(batch), last_only=True)  # [(1, V)] a prefix
+            # a request with more than one token to score: the row of its prefix, and the tokens after it
+            rests = [(r, i, targets) for r, (_, members) in enumerate(batch) for i, targets in members
+                     if len(targets) > 1]
+            if rests:
+                self.model.select_cache_rows(torch.tensor([r for r, _, _ in rests]))
+                after_rest = self.logprobs([targets[:-1] for _, _, targets in rests],
+                                           [len(prefixes[r]) for r, _, _ in rests])
+                rest_of = {i: logprobs for (_, i, _), logprobs in zip(rests, after_rest)}
+            for r, (_, members) in enumerate(batch):
+                for i, targets in members:
+                    own = torch.cat([after_prefix[r], rest_of[i]]) if len(targets) > 1 else after_prefix[r]
+                    targets = torch.tensor(targets)
+                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), bool((own.argmax(-1) == targets).all()))
         return results
 
-    def last_logprobs(self, rows: list[tuple[int, ...]], n: list[int]) -> torch.Tensor:
-        """Log-probabilities of the next token at the last n[r] positions of each row, (B, max(n), V),
-        row r's in its first n[r] entries; rows right-padded into one forward."""
-        T = len(rows[0])
+    def batches(self, by_prefix: dict) -> list[list]:
+        """The prefixes with their requests, longest first, in groups that fit a batch (a prefix with
+        more than batch_size requests in parts)."""
+        batches = []
+        for prefix in sorted(by_prefix, key=len, reverse=True):
+            for members in batched(by_prefix[prefix], self.batch_size):
+                if batches and self.fits(batches[-1] + [(prefix, members)]):
+                    batches[-1].append((prefix, members))
+                else:
+                    batches.append([(prefix, members)])
+        return batches
+
+    def fits(self, batch: list) -> bool:
+        """Whether one batch may take these (prefix, requests), longest prefix first: at most batch_size
+        prefixes; their requests' other tokens (a row each, right-padded) no more tokens than batch_size
+        rows without sharing would take; the longest prefix and the longest rest within max_length."""
+        rests = [len(targets) - 1 for _, members in batch for _, targets in members if len(targets) > 1]
+        longest_prefix, longest_rest = len(batch[0][0]), max(rests, default=0)
+        return (len(batch) <= self.batch_size and longest_prefix + longest_rest <= self.max_length
+                and len(rests) * longest_rest <= self.batch_size * (longest_prefix + longest_rest))
+
+    def logprobs(self, rows: list[list[int]], starts: list[int], last_only: bool = False) -> list[torch.Tensor]:
+        """Log-probabilities of the next token after each position of each row, (len(row), V) a row
+        (with last_only, after its last position only: (1, V)). The rows go right-padded into one
+        forward, row r's tokens at positions starts[r], ...: a row that starts past 0 reads what the
+        cache holds before it. The output head runs on the positions asked for only."""
+        T = max(map(len, rows))
         idx = torch.zeros(len(rows), T, dtype=torch.long)
         for r, row in enumerate(rows):
             idx[r, : len(row)] = torch.tensor(row)
-        # each row's last n positions, padded by repeating its last one
-        last = torch.tensor([[len(row) - k + min(j, k - 1) for j in range(max(n))] for row, k in zip(rows, n)])
+        positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)  # (R, T)
         device = next(self.model.parameters()).device
-        self.model.setup_caches(len(rows), T)
-        logits = self.model(idx.to(device), torch.arange(T, device=device), last=last.clamp(min=0).to(device))
-        return logits.float().log_softmax(-1).cpu()
+        x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, max(starts) + T))
+        wanted = [range(len(row) - 1, len(row)) if last_only else range(len(row)) for row in rows]
+        r, t = (torch.tensor(index) for index in zip(*[(r, t) for r, ts in enumerate(wanted) for t in ts]))
+        logprobs = self.model.logits(x[r.to(device), t.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
+        return list(logprobs.split([len(ts) for ts in wanted]))
 
 
 def batched(items: list, size: int):

@@ -204,6 +204,19 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
+    def select_cache_rows(self, rows: Tensor):
+        """Row r of the KV caches becomes a copy of row rows[r] (R,), repeats allowed; the caches then
+        hold R rows. After a forward over a few prompts, several continuations of each can go on from
+        there, each in a row of its own that reads its prompt's keys and values."""
+        for layer in self.layers:
+            cache = layer.attention.kv_cache
+            for name, buffer in list(cache.named_buffers()):
+                setattr(cache, name, buffer[rows])
+        self.positions = self.positions[:1].expand(len(rows), -1)
+        if self.config.sliding_window:
+            self.ring_positions = self.ring_positions[rows]
+        self.max_batch_size = len(rows)
+
     def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None,
                 key_positions: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.

@@ -629,11 +629,12 @@ def harness_main(args):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint.parent)  # from our copy of its files
     theirs = HFLM(pretrained=hf_model_from(model), tokenizer=hf_tokenizer, batch_size=args.eval_batch_size)
     print(f"\n{checkpoint}, {args.precision}, {args.device}, {torch.get_num_threads()} threads, task {args.harness}, "
-          f"batch size {args.eval_batch_size}, limit {args.limit}, median of {args.runs}")
+          f"batch size {args.eval_batch_size}, limit {args.limit}, {args.num_fewshot or 0}-shot, median of {args.runs}")
     rows = {}
     for name, lm in (("harness HF backend", theirs), ("ours (eval.py)", ours)):
         calls, results = timed_requests(lm, args.device), {}
-        total = statistics.median(timed(lambda: results.update(ev.evaluate_tasks(lm, args.harness, args.limit)),
+        total = statistics.median(timed(lambda: results.update(ev.evaluate_tasks(lm, args.harness, args.limit,
+                                                                                     args.num_fewshot)),
                                         args.device) for _ in range(args.runs))
         n = sum(count for count, _ in calls) // args.runs  # requests a run (the same in each)
         scoring = statistics.median(seconds for _, seconds in calls)  # one loglikelihood call a run
@@ -716,6 +717,7 @@ if __name__ == "__main__":
                         "loglikelihood task (default: tasks/pydoc_cloze.yaml)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="with --harness")
     p.add_argument("--limit", type=float, default=None, help="with --harness: examples of the task")
+    p.add_argument("--num_fewshot", type=int, default=None, help="with --harness: examples before each question")
     p.add_argument("--speculative", action="store_true",
                    help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")

@@ -2,11 +2,13 @@
 every CPython ships (quantize.python_docs_text), so that `eval.py --tasks tasks/pydoc_cloze.yaml`
 needs no download. The files are committed: a scheme's score must not move with the Python version.
 
-    python scripts/make_eval_tasks.py            # rewrites tasks/pydoc_cloze.jsonl, tasks/pydoc_complete.jsonl
+    python scripts/make_eval_tasks.py            # rewrites tasks/pydoc_{cloze,complete,ending}.jsonl
 
 pydoc_cloze (multiple choice): a sentence without its last word, and four words to end it with, the
 true one and three that end other sentences. pydoc_complete (generation): the same kind of sentence
-in other examples; the model's first word must be the missing one.
+in other examples; the model's first word must be the missing one. pydoc_ending (multiple choice,
+shaped like HellaSwag): the first half of one of pydoc_cloze's sentences, and four second halves, its own and three of
+other sentences: choices of several tokens each.
 """
 
 import json
@@ -55,7 +57,19 @@ def main():
     with open(TASKS / "pydoc_complete.jsonl", "w") as f:
         for context, word in complete:
             f.write(json.dumps(dict(context=context, answer=word)) + "\n")
-    print(f"wrote {len(cloze)} + {len(complete)} examples from {len(pairs)} sentences into {TASKS}")
+    halves = [split_in_half(f"{context} {word}") for context, word in cloze]  # the held-out docs have ~400 such sentences
+    with open(TASKS / "pydoc_ending.jsonl", "w") as f:
+        for start, end in halves:
+            choices = [end] + rng.sample([other for _, other in halves if other != end], 3)
+            rng.shuffle(choices)
+            f.write(json.dumps(dict(context=start, choices=choices, label=choices.index(end))) + "\n")
+    print(f"wrote {len(cloze)} + {len(complete)} + {len(halves)} examples from {len(pairs)} sentences into {TASKS}")
+
+
+def split_in_half(sentence: str) -> tuple[str, str]:
+    """(the sentence's first half of its words, the rest), the rest ending with the sentence's period."""
+    words = sentence.split(" ")
+    return " ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2:]) + "."
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 CLOZE = REPO / "tasks" / "pydoc_cloze.yaml"
 REQUESTS = [("The capital of France is", " Paris"), ("Water boils at", " 100 degrees Celsius at sea level."),
             ("Once upon a time, in a small village by the sea, there lived", " an old fisherman"),
-            ("", "Hello world"), ("A list: apples, pears,  ", "plums")]
+            ("", "Hello world"), ("A list: apples, pears,  ", "plums"),
+            # choices of one question: their prefix runs once, their other tokens in rows of their own
+            ("Water boils at", " 90 degrees"), ("Water boils at", " room temperature, never"), ("Water boils at", " 3")]
 
 
 def requests(pairs):

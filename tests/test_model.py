@@ -196,3 +196,25 @@ def test_safetensors_writer_round_trip(tmp_path):
     write_safetensors(tmp_path / "x.safetensors", entries, {"note": "hi"})
     loaded = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full caches", "sliding-window rings"])
+@torch.no_grad()
+def test_continuations_from_selected_cache_rows_equal_whole_forwards(window):
+    """Two prefixes fill rows 0 and 1; rows picked from them (0 twice) go on with tokens of their own,
+    at positions past their prefix: each equals a forward over its prefix and continuation at once."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, n_head=4, n_local_heads=2,
+                                  block_size=64, sliding_window=window)).eval()
+    prefixes, continuations = torch.randint(0, 64, (2, 10)), torch.randint(0, 64, (3, 5))
+    lengths, picks = torch.tensor([10, 8]), torch.tensor([0, 0, 1])  # row 1's prefix: its first 8 tokens
+    model.setup_caches(2, 32, chunk=4)
+    model(prefixes, torch.arange(10))
+    model.select_cache_rows(picks)
+    positions = lengths[picks].unsqueeze(1) + torch.arange(5)  # (3, 5)
+    logits = model(continuations, positions)
+    for row, (pick, length) in enumerate(zip(picks, lengths[picks])):
+        model.setup_caches(1, 32, chunk=4)
+        whole = torch.cat([prefixes[pick, :length], continuations[row]])[None]
+        reference = model(whole, torch.arange(len(whole[0])))[0, length:]
+        assert relative_error(logits[row], reference) <= 1e-5
