@@ -161,7 +161,8 @@ class HarnessModel(HarnessLM):
             rests = [(r, i, targets) for r, (_, members) in enumerate(batch) for i, targets in members
                      if len(targets) > 1]
             if rests:
-                self.model.select_cache_rows(torch.tensor([r for r, _, _ in rests]))
+                picks = torch.tensor([r for r, _, _ in rests], device=self.model.positions.device)
+                self.model.select_cache_rows(picks)
                 after_rest = self.logprobs([targets[:-1] for _, _, targets in rests],
                                            [len(prefixes[r]) for r, _, _ in rests])
                 rest_of = {i: logprobs for (_, i, _), logprobs in zip(rests, after_rest)}
@@ -169,7 +170,8 @@ class HarnessModel(HarnessLM):
                 for i, targets in members:
                     own = torch.cat([after_prefix[r], rest_of[i]]) if len(targets) > 1 else after_prefix[r]
                     targets = torch.tensor(targets)
-                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), bool((own.argmax(-1) == targets).all()))
+                    greedy = bool((own.argmax(-1) == targets).all())
+                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), greedy)
         return results
 
     def batches(self, by_prefix: dict) -> list[list]:
