@@ -7,8 +7,8 @@ needs no download. The files are committed: a scheme's score must not move with 
 pydoc_cloze (multiple choice): a sentence without its last word, and four words to end it with, the
 true one and three that end other sentences. pydoc_complete (generation): the same kind of sentence
 in other examples; the model's first word must be the missing one. pydoc_ending (multiple choice,
-shaped like HellaSwag): the first half of one of pydoc_cloze's sentences, and four second halves, its own and three of
-other sentences: choices of several tokens each.
+shaped like HellaSwag): the first half of one of pydoc_cloze's sentences, and four second halves,
+its own and three of other sentences: choices of several tokens each.
 """
 
 import json
@@ -57,7 +57,8 @@ def main():
     with open(TASKS / "pydoc_complete.jsonl", "w") as f:
         for context, word in complete:
             f.write(json.dumps(dict(context=context, answer=word)) + "\n")
-    halves = [split_in_half(f"{context} {word}") for context, word in cloze]  # the held-out docs have ~400 such sentences
+    # the held-out docs have ~400 such sentences: pydoc_ending reuses pydoc_cloze's, cut elsewhere
+    halves = [split_in_half(f"{context} {word}") for context, word in cloze]
     with open(TASKS / "pydoc_ending.jsonl", "w") as f:
         for start, end in halves:
             choices = [end] + rng.sample([other for _, other in halves if other != end], 3)
