@@ -204,13 +204,13 @@ class HarnessModel(HarnessLM):
         idx = torch.zeros(len(rows), T, dtype=torch.long)
         for r, row in enumerate(rows):
             idx[r, : len(row)] = torch.tensor(row)
-        positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)  # (R, T)
+        columns, lengths = torch.arange(T), torch.tensor([len(row) for row in rows]).unsqueeze(1)
+        wanted = columns == lengths - 1 if last_only else columns < lengths  # (R, T), row by row
         device = next(self.model.parameters()).device
+        positions = torch.tensor(starts).unsqueeze(1) + columns  # (R, T)
         x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, max(starts) + T))
-        wanted = [range(len(row) - 1, len(row)) if last_only else range(len(row)) for row in rows]
-        r, t = (torch.tensor(index) for index in zip(*[(r, t) for r, ts in enumerate(wanted) for t in ts]))
-        logprobs = self.model.logits(x[r.to(device), t.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
-        return list(logprobs.split([len(ts) for ts in wanted]))
+        logprobs = self.model.logits(x[wanted.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
+        return list(logprobs.split(wanted.sum(1).tolist()))
 
 
 def batched(items: list, size: int):
