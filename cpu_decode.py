@@ -5,8 +5,9 @@ Inductor fuses such an expression into one vectorized loop over the weight (or t
 CPU reads it faster than the BLAS call aten.mm makes at a few rows, converts int8 in registers, and
 fuses attention's softmax between its two products (scripts/benchmark.py measures the matmul side;
 the README has the figures). A speculative verify step's k + 1 rows (up to FEW_ROWS) go through one
-such loop too, each weight element read once for all of them. Eager calls and calls of many rows
-keep PyTorch's kernels.
+such loop too, each weight element read once for all of them, and so do the query heads that share a
+key/value head in a decode step's attention, each key and value read once for all of them. Eager
+calls and calls of many rows keep PyTorch's kernels.
 
     cpu_decode.apply(model)   # once, after loading; a no-op for a model on another device
 
@@ -32,16 +33,17 @@ def one_row_product(x: Tensor, weight: Tensor) -> Tensor:
     return (x.unsqueeze(-2).float() * weight.float()).sum(-1)
 
 
-def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for attention's few-row products, (..., m, k) @ (..., k, n), as a multiply-and-sum in
-    fp32 when compiling."""
-    if not torch.compiler.is_compiling():
-        return torch.matmul(a, b)
-    return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
-
-
 # rows up to which a compiled linear reads its weight once for all rows (a verify step of k <= 8 drafts)
 FEW_ROWS = 9
+# rows of a decode step's attention product: the query heads that share a key/value head
+ATTENTION_ROWS = 16
+
+
+def rows_product(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., m, k) @ b (..., k, n) in fp32, for a few rows (m an int): a reduction per row of a over
+    the same b, which inductor fuses into one loop that loads each element of b once and multiplies it
+    into every row's sum (the product as one expression over (m, k, n) would read b once per row)."""
+    return torch.stack([(a[..., i, :, None].float() * b.float()).sum(-2) for i in range(a.shape[-2])], dim=-2)
 
 
 def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -50,11 +52,19 @@ def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
     if rows.shape[0] == 1:
         return one_row_product(x, weight)
     rows = rows.as_strided(rows.shape, rows.stride())  # computed once (one_row_product says why)
-    w = weight.float()
-    # A reduction per row over the same weight: inductor fuses them into one loop that loads each
-    # weight element once and multiplies it into every row's sum (the product as one expression
-    # over (rows, n, k) would read the weight once per row).
-    return torch.stack([(row.float() * w).sum(-1) for row in rows]).view(*x.shape[:-1], -1)
+    return rows_product(rows, weight.t()).view(*x.shape[:-1], -1)
+
+
+def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode
+    step's m rows, the query heads that share a key/value head, go through rows_product: each key and
+    value read once for all of them."""
+    if not torch.compiler.is_compiling():
+        return torch.matmul(a, b)
+    m = a.shape[-2]
+    if isinstance(m, int) and m <= ATTENTION_ROWS:  # not a symbolic count (prefill of any length)
+        return rows_product(a, b)
+    return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
 def compiling_few_rows(x: Tensor) -> bool:

@@ -463,7 +463,8 @@ def speculative_main(args):
     rows = [verify_cost(name, m, args) for name, m in
             [(args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
-          f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs}")
+          f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
+          f"of each run's ratio to the plain run beside it)")
     print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
     for temperature in args.temperatures:
         for name, text in SPECULATIVE_PROMPTS.items():
@@ -474,18 +475,25 @@ def speculative_main(args):
                 return gen.generate(model, prompt, args.max_new_tokens, temperature=temperature,
                                     speculate_k=args.speculate_k, **kw)
 
-            run()
-            plain = statistics.median(timed(run, args.device) for _ in range(args.runs))
+            ways = {"plain": {}, **drafts}
+            for kwargs in ways.values():
+                run(**kwargs)  # compiles, the first time
+            # run by run, every way in turn: a shared machine's speed drifts between runs by more than
+            # some drafters change it, and each run's ratio to the plain run beside it cancels the drift
+            seconds = {way: [] for way in ways}
+            for _ in range(args.runs):
+                for way, kwargs in ways.items():
+                    seconds[way].append(timed(lambda: run(**kwargs), args.device))
+            n, plain = args.max_new_tokens, statistics.median(seconds["plain"])
             for drafter, kwargs in drafts.items():
-                run(**kwargs)
-                spec = statistics.median(timed(lambda: run(**kwargs), args.device) for _ in range(args.runs))
+                spec = statistics.median(seconds[drafter])
+                speedup = statistics.median(p / s for p, s in zip(seconds["plain"], seconds[drafter]))
                 stats = {}
                 run(**kwargs, stats=stats)
-                n = args.max_new_tokens
-                print(f"{name:12} {temperature:3} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {plain / spec:7.2f}  "
+                print(f"{name:12} {temperature:3} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {speedup:7.2f}  "
                       f"{speculative.format_stats(stats, args.speculate_k)}")
                 rows.append(dict(prompt=name, temperature=temperature, drafter=drafter, plain_tok_s=n / plain,
-                                 speculative_tok_s=n / spec, speedup=plain / spec, **stats))
+                                 speculative_tok_s=n / spec, speedup=speedup, **stats))
     if args.json:
         write_json(args, rows=rows)
 
