@@ -49,7 +49,8 @@ def rows_product(a: Tensor, b: Tensor) -> Tensor:
     """a (..., m, k) @ b (..., k, n) in fp32, for a few rows (m an int): a reduction per row of a over
     the same b, which inductor fuses into one loop that loads each element of b once and multiplies it
     into every row's sum (the product as one expression over (m, k, n) would read b once per row)."""
-    return torch.stack([(a[..., i, :, None].float() * b.float()).sum(-2) for i in range(a.shape[-2])], dim=-2)
+    a = in_fp32_buffer(a)
+    return torch.stack([(a[..., i, :, None] * b.float()).sum(-2) for i in range(a.shape[-2])], dim=-2)
 
 
 def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -57,7 +58,7 @@ def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 1:
         return one_row_product(x, weight)
-    return rows_product(in_fp32_buffer(rows), weight.t()).view(*x.shape[:-1], -1)
+    return rows_product(rows, weight.t()).view(*x.shape[:-1], -1)
 
 
 def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -68,7 +69,7 @@ def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
         return torch.matmul(a, b)
     m = a.shape[-2]
     if isinstance(m, int) and m <= ATTENTION_ROWS:  # not a symbolic count (prefill of any length)
-        return rows_product(in_fp32_buffer(a), b)
+        return rows_product(a, b)
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
