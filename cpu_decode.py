@@ -1,5 +1,5 @@
-"""Compiled decoding on CPU: the few-row products of decode and verify steps as multiply-and-sum
-expressions.
+"""The products on CPU: the few rows of compiled decode and verify steps as multiply-and-sum
+expressions, and the many rows of prefill in fp32 where the CPU has no native bf16 matmul.
 
 Inductor fuses such an expression into one vectorized loop over the weight (or the cache), which on
 CPU reads it faster than the BLAS call aten.mm makes at a few rows, converts int8 in registers, and
@@ -9,7 +9,12 @@ such loop too, each weight element read once for all of them, and so do the quer
 key/value head in a decode step's attention, each key and value read once for all of them. Eager
 calls and calls of many rows keep PyTorch's kernels.
 
-    cpu_decode.apply(model)   # once, after loading; a no-op for a model on another device
+Without AVX-512, oneDNN has no bf16 matmul of its own speed: a bf16 product of 244 rows by SmolLM2's
+3072 x 576 gate/up weight took 90 ms on an AVX2 core, converting the weight and multiplying in fp32
+17 ms. There a bf16 model's products of MANY_ROWS or more (prefill, scoring) run in fp32 and round
+their output back to bf16 (matmul_dtype); fewer rows keep bf16, which is faster at one row.
+
+    cpu_decode.apply(model)   # once, at load (generate.load_model); a no-op for a model on another device
 
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
 model.py's own, so compiled decoding computes what eager decoding computes.
@@ -73,6 +78,36 @@ def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
+# rows from which a bf16 product runs in fp32 on a CPU without native bf16 matmuls (SLOW_BF16_MATMUL):
+# at 16 rows, 3.8 ms against bf16's 5.5 on the weight above; at 6, 3.0 against 2.1
+MANY_ROWS = 16
+# oneDNN's own test for a bf16 path (AVX-512 or newer on x86): without it, bf16 matmuls crawl
+SLOW_BF16_MATMUL = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype in which x (..., k) is multiplied by a weight: fp32 for MANY_ROWS or more bf16 rows
+    on a CPU without native bf16 matmuls, x's own otherwise."""
+    rows = x.shape[:-1].numel()  # symbolic in prefill compiled for any length: many rows
+    many = not isinstance(rows, int) or rows >= MANY_ROWS
+    slow = SLOW_BF16_MATMUL and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return torch.float32 if slow and many else x.dtype
+
+
+def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) computed in dtype. A weight of another dtype is converted a block of
+    CONVERTED_ELEMENTS at a time, never whole: a Llama-3 8B head would be a 2 GB fp32 copy."""
+    if weight.dtype == dtype:
+        return F.linear(x.to(dtype), weight, bias)
+    x, rows = x.to(dtype), max(1, CONVERTED_ELEMENTS // weight.shape[1])
+    bias = None if bias is None else bias.to(dtype)
+    return torch.cat([F.linear(x, block.to(dtype), None if bias is None else bias[i: i + rows])
+                      for i, block in zip(range(0, weight.shape[0], rows), weight.split(rows))], dim=-1)
+
+
+CONVERTED_ELEMENTS = 1 << 22  # 16 MB of fp32
+
+
 def compiling_few_rows(x: Tensor) -> bool:
     """Whether x (..., k) is a few rows in compiled code. A symbolic row count (prefill compiled for
     any length) is not: a loop over its rows would specialize the graph to it."""
@@ -81,18 +116,20 @@ def compiling_few_rows(x: Tensor) -> bool:
 
 
 class FewRowLinear(nn.Linear):
-    """nn.Linear whose compiled forward of a few rows is few_rows_product (same weights, another forward)."""
+    """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
+    rows runs in matmul_dtype (same weights, another forward)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if compiling_few_rows(x):
             y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return linear_in(matmul_dtype(x), x, self.weight, self.bias).to(x.dtype)
 
 
 def apply(model: Transformer):
-    """On CPU, give the model's linears, attention products and experts' products the forms above.
-    Quantized linears (quantize.py) choose their own CPU path when packed."""
+    """On CPU, give the model's linears, attention products and experts' products the forms above
+    (once: a second call changes nothing). Quantized linears (quantize.py) choose their own CPU path
+    when packed."""
     if next(model.parameters()).device.type != "cpu":
         return
     for module in model.modules():

@@ -61,6 +61,7 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
         raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
                         f"{str(e).splitlines()[1].strip()}")
     quantize.pack_for_device(model)
+    cpu_decode.apply(model)
     return model.eval()
 
 
@@ -254,9 +255,6 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     drafter = load_drafter(args, checkpoint_path, model, device, rank, world_size)
     if args.compile:
-        for m in (model, getattr(drafter, "model", None), getattr(drafter, "head", None)):
-            if m is not None:
-                cpu_decode.apply(m)
         decode.compile_steps(dynamic_prefill=args.compile_prefill)
         if drafter is not None:
             speculative.compile_steps()
@@ -338,8 +336,9 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str, r
     if args.draft == "prompt-lookup":
         return speculative.PromptLookup()
     if args.draft == "head" or args.draft_head:
-        path = args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME
-        return speculative.HeadDrafter(speculative.load_head(path, model))
+        head = speculative.load_head(args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME, model)
+        cpu_decode.apply(head)  # as load_model does for a model
+        return speculative.HeadDrafter(head)
     return None
 
 

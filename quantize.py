@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
-from cpu_decode import compiling_few_rows, few_rows_product
+from cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
@@ -90,8 +90,8 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
 class Int8Linear(nn.Module):
     """Per-channel int8. Its kernel is chosen for its device once, by `pack`: on CPU, a fused
     multiply-and-sum for a few rows in compiled code (cpu_decode.py), PyTorch's int8 kernel
-    for a few rows otherwise, and a bf16 matmul of the dequantized weight for many rows (prefill),
-    where the kernel is slower;
+    for a few rows otherwise, and for many rows (prefill), where the kernel is slower, a matmul of the
+    weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in);
     elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
@@ -113,8 +113,10 @@ class Int8Linear(nn.Module):
         elif self.kernel == "cpu" and rows <= 16:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        else:
+        elif self.kernel == "dequantize":  # compiled code fuses the conversion into the one pass over int8
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        else:
+            y = linear_in(matmul_dtype(x), x, self.weight) * self.scales
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 

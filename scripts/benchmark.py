@@ -180,6 +180,7 @@ def load(args, rank: int = 0, world: int = 1) -> Transformer:
 def randomized(model: Transformer) -> Transformer:
     for weight in model.parameters():
         weight.normal_(0, 0.02)
+    cpu_decode.apply(model)  # as load_model does
     return model.eval()
 
 
@@ -215,6 +216,7 @@ def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: 
     quantized, _ = gen.empty_model(config, scheme, rank, world)
     gen.fill(quantized, state)
     quantize.pack_for_device(quantized)
+    cpu_decode.apply(quantized)  # as load_model does
     return quantized.eval()
 
 
@@ -260,10 +262,8 @@ class Ladder:
         """Our compiled rungs: the model, then each quantized one (config: the model's whole shape)."""
         args = self.args
         decode.compile_steps()
-        cpu_decode.apply(model)
         self.ours(f"ours {args.precision} compiled{suffix}", model)
         for name, quantized in quantized_models(args, model, rank, world, config):
-            cpu_decode.apply(quantized)
             self.ours(f"ours {name} compiled{suffix}", quantized)
             del quantized
 
@@ -351,7 +351,6 @@ def drafters(args, target: Transformer) -> dict:
         found["draft head"] = dict(drafter=speculative.HeadDrafter(draft_head))
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
-        cpu_decode.apply(draft_model)
         name = Path(args.draft_checkpoint_path).stem.removeprefix("fastllama_")
         found[f"draft {name}"] = dict(drafter=speculative.DraftModel(draft_model))
     speculative.compile_steps()
@@ -455,7 +454,6 @@ def speculative_main(args):
     each of --temperatures."""
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    cpu_decode.apply(model)
     decode.compile_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
@@ -529,7 +527,6 @@ def depths_main(args):
     model = load(args)
     depths, n = sorted(args.depths), args.max_new_tokens
     decode.compile_steps(dynamic_prefill=True)
-    cpu_decode.apply(model)
     models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
@@ -540,7 +537,6 @@ def depths_main(args):
           + f" {'prefill tok/s':>13} {'peak MB':>8}")
     rows = []
     for name, m in models:
-        cpu_decode.apply(m)
         for kv in args.kv_cache_dtype:
             own = None
             if 0 < shallow < depths[-1]:  # first, since setup_caches keeps a larger cache (compiles anew)

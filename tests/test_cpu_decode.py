@@ -77,3 +77,34 @@ def test_compiled_cpu_decode_equals_a_full_forward(variant):
     # F.linear: the fused one-row form is for one row, and these are two)
     assert len(graphs) == 1
     assert not any(op in graphs[0].code for op in ("matmul", "bmm", "scaled_dot_product")), graphs[0].code
+
+
+@pytest.mark.parametrize("slow_bf16", [True, False])
+@pytest.mark.parametrize("rows", [1, cpu_decode.MANY_ROWS - 1, cpu_decode.MANY_ROWS, 40])
+@torch.no_grad()
+def test_many_bf16_rows_multiply_in_fp32_where_bf16_is_slow(monkeypatch, slow_bf16, rows):
+    """On a CPU without native bf16 matmuls, a bf16 linear of MANY_ROWS or more rows multiplies in fp32
+    and rounds its output to bf16; fewer rows, or a CPU with them, keep PyTorch's bf16 matmul."""
+    monkeypatch.setattr(cpu_decode, "SLOW_BF16_MATMUL", slow_bf16)
+    linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
+    x = torch.randn(1, rows, 64).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16()
+    cpu_decode.apply(linear)
+    assert type(linear) is cpu_decode.FewRowLinear
+    dtypes, linear_op = [], torch.nn.functional.linear  # the dtype each product ran in
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *w: dtypes.append(x.dtype) or linear_op(x, *w))
+    y = linear(x)
+    fp32 = slow_bf16 and rows >= cpu_decode.MANY_ROWS
+    assert dtypes == [torch.float32 if fp32 else torch.bfloat16] and y.dtype == torch.bfloat16
+    assert (y.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
+    """linear_in gives F.linear's result when it converts a weight block by block (blocks of 3 rows
+    of 10 here, the last one short)."""
+    monkeypatch.setattr(cpu_decode, "CONVERTED_ELEMENTS", 3 * 16)
+    weight, x = torch.randn(10, 16).bfloat16(), torch.randn(2, 5, 16)
+    b = torch.randn(10).bfloat16() if bias else None
+    expected = torch.nn.functional.linear(x, weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(cpu_decode.linear_in(torch.float32, x, weight, b), expected)

@@ -54,7 +54,7 @@ def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
     eager = generate(model, prompt, 24, temperature=0)
     monkeypatch.setattr(decode, "decode_one_token", decode.decode_one_token)  # restored after the test
     monkeypatch.setattr(decode, "prefill_chunk", decode.prefill_chunk)
-    cpu_decode.apply(model)
+    assert type(model.output) is cpu_decode.FewRowLinear  # load_model gave the model its CPU forms
     decode.compile_steps()
     compiled = generate(model, prompt, 24, temperature=0)
     assert compiled.tolist() == eager.tolist()
