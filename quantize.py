@@ -88,9 +88,9 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
 
 
 class Int8Linear(nn.Module):
-    """Per-channel int8. Its kernel is chosen for its device once, by `pack`: on CPU, a fused
-    multiply-and-sum for a few rows in compiled code (cpu_decode.py), PyTorch's int8 kernel
-    for a few rows otherwise, and for many rows (prefill), where the kernel is slower, a matmul of the
+    """Per-channel int8. Its kernel is chosen for its device once, by `pack` (int8_kernel): on CPU,
+    PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum that compiled code
+    fuses (cpu_decode.py), and for many rows (prefill), where the kernel is slower, a matmul of the
     weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in);
     elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
 
@@ -100,7 +100,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cpu" or "dequantize" once packed
+        self.kernel = None  # "cpu", "cpu-fused" or "dequantize" once packed
 
     def pack(self, kernel: str):
         self.kernel = kernel
@@ -108,9 +108,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         rows = x.shape[:-1].numel()
-        if self.kernel == "cpu" and compiling_few_rows(x):
+        if self.kernel == "cpu-fused" and compiling_few_rows(x):
             y = few_rows_product(x, self.weight) * self.scales  # int8 converted in registers
-        elif self.kernel == "cpu" and rows <= 16:
+        elif self.kernel.startswith("cpu") and rows <= 16:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif self.kernel == "dequantize":  # compiled code fuses the conversion into the one pass over int8
@@ -252,7 +252,12 @@ class Int4ExpertLinears(ExpertLinears):
 
 
 def int8_kernel(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" else "dequantize"
+    """How int8 runs here. On CPU, compiled code's fused multiply-and-sum pays only with AVX-512, whose
+    masked loads take the int8 weight a part-vector at a time; with AVX2 inductor copies each 8 bytes
+    through memory first, and PyTorch's int8 kernel decodes 5x faster (the README's AVX2 results)."""
+    if device.type != "cpu":
+        return "dequantize"
+    return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
 
 
 def int4_kernel(device: torch.device, out_features: int) -> str:

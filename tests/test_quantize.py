@@ -67,13 +67,15 @@ def test_int8_linear_matches_dequantized_matmul(n, k, M):
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
 
 
+@pytest.mark.parametrize("kernel", ["cpu-fused", "cpu"])
 @pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (200, 128, (1,))])
-def test_int8_linear_compiled_one_row(n, k, shape):
-    """Compiled at one row for CPU decoding, Int8Linear is a multiply-and-sum that inductor fuses, not
-    the aten kernel."""
+def test_int8_linear_compiled_one_row(n, k, shape, kernel):
+    """Compiled at one row for CPU decoding, Int8Linear packed "cpu-fused" is a multiply-and-sum that
+    inductor fuses, not the aten kernel; packed "cpu", the aten kernel."""
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
     m, w_ref = int8_module(n, k)
+    m.pack(kernel)
     graphs = []
 
     def inductor(gm, example_inputs):
@@ -86,7 +88,14 @@ def test_int8_linear_compiled_one_row(n, k, shape):
         y = compiled(x)
     assert y.dtype == torch.bfloat16 and y.shape == (*shape, n)
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
-    assert len(graphs) == 1 and "_weight_int8pack_mm" not in graphs[0].code  # took the fused path
+    assert len(graphs) == 1 and ("_weight_int8pack_mm" in graphs[0].code) == (kernel == "cpu")
+
+
+@pytest.mark.parametrize("capability,kernel", [("AVX512", "cpu-fused"), ("AVX2", "cpu"), ("DEFAULT", "cpu")])
+def test_int8_kernel_follows_the_cpu(monkeypatch, capability, kernel):
+    """The fused int8 product only where it was measured to beat the kernel: AVX-512."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert quantize.int8_kernel(torch.device("cpu")) == kernel
 
 
 def test_quantize_int8_error_and_range():
