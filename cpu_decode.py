@@ -82,7 +82,9 @@ def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
 # at 16 rows, 3.8 ms against bf16's 5.5 on the weight above; at 6, 3.0 against 2.1
 MANY_ROWS = 16
 # oneDNN's own test for a bf16 path (AVX-512 or newer on x86): without it, bf16 matmuls crawl
-SLOW_BF16_MATMUL = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+SLOW_BF16_MATMUL = torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# a weight of another dtype is converted for a product at most this many elements at a time (16 MB of fp32)
+CONVERTED_ELEMENTS = 1 << 22
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -103,9 +105,6 @@ def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None
     bias = None if bias is None else bias.to(dtype)
     return torch.cat([F.linear(x, block.to(dtype), None if bias is None else bias[i: i + rows])
                       for i, block in zip(range(0, weight.shape[0], rows), weight.split(rows))], dim=-1)
-
-
-CONVERTED_ELEMENTS = 1 << 22  # 16 MB of fp32
 
 
 def compiling_few_rows(x: Tensor) -> bool:
