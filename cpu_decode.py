@@ -102,9 +102,9 @@ def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None
     if weight.dtype == dtype:
         return F.linear(x.to(dtype), weight, bias)
     x, rows = x.to(dtype), max(1, CONVERTED_ELEMENTS // weight.shape[1])
-    bias = None if bias is None else bias.to(dtype)
-    return torch.cat([F.linear(x, block.to(dtype), None if bias is None else bias[i: i + rows])
-                      for i, block in zip(range(0, weight.shape[0], rows), weight.split(rows))], dim=-1)
+    blocks = weight.split(rows)
+    biases = [None] * len(blocks) if bias is None else bias.to(dtype).split(rows)
+    return torch.cat([F.linear(x, w.to(dtype), b) for w, b in zip(blocks, biases)], dim=-1)
 
 
 def compiling_few_rows(x: Tensor) -> bool:
