@@ -146,6 +146,23 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     assert found.tolist() == [True, True] and drafts.tolist() == [[5, 5, 5, 5], [2, 1, 2, 1]]
 
 
+def test_prompt_lookup_searches_less_while_it_finds_nothing(monkeypatch):
+    searches = []
+    search = speculative.prompt_lookup
+    monkeypatch.setattr(speculative, "prompt_lookup", lambda *a: searches.append(1) or search(*a))
+    drafter = PromptLookup()
+    tokens = torch.arange(40)[None]  # no n-gram repeats
+    drafter.start(None, tokens, torch.tensor([4]), 40)
+    proposals = [drafter.propose(tokens, torch.tensor([4 + step]), k=3) for step in range(30)]
+    assert proposals == [None] * 30
+    assert len(searches) == 7  # at steps 0, 2, 5, 9, 14, 20, 27: each pause one step longer
+    tokens[0, 20:22] = tokens[0, 10:12]  # a repeat: found at the next search, which resets the pause
+    assert drafter.propose(tokens, torch.tensor([22]), k=3) is None  # still pausing
+    while (proposal := drafter.propose(tokens, torch.tensor([22]), k=3)) is None:
+        pass
+    assert proposal[0].tolist() == [[12, 13, 14]] and drafter.misses == 0
+
+
 def test_greedy_acceptance():
     logits = torch.full((2, 4, 6), -1.0)
     best = torch.tensor([[3, 1, 2, 5], [0, 4, 4, 1]])  # the target's argmax after cur, d1, d2, d3
