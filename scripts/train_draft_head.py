@@ -11,11 +11,17 @@ over the head's vocabulary (cross-entropy against the target's own probabilities
 vocabulary is the `--vocab` tokens most frequent in the text. The input states get a little noise,
 as EAGLE's do (in the same units), since when drafting the head reads its own predictions after the first step.
 
-The default text is the documentation every Python ships (pydoc's topics). The head is saved beside
-the checkpoint as draft_head.safetensors, with its config and the target's shape in its metadata.
+The default text is the documentation every Python ships (pydoc's topics). With --own_answers N, the
+target first writes about N tokens of its own chats (prompts made from the text: explain or summarize
+a paragraph, a story or a poem about one of its words; answers sampled), and the head trains on those
+as well: it drafts the target's answers, which read unlike documentation (self-distillation, as Medusa-2
+and EAGLE's data regeneration do). The head is saved beside the checkpoint as draft_head.safetensors,
+with its config and the target's shape in its metadata.
 """
 
 import argparse
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,6 +59,41 @@ def default_text() -> str:
                 if (doc := ast.get_docstring(node)) and len(doc) > 200:  # a line or two teaches little
                     docstrings.append(doc)
     return "\n\n".join([python_docs_text("calibration"), python_docs_text("evaluation"), *docstrings])
+
+
+# chat prompts for --own_answers: {paragraph} is a paragraph of the text, {word} one of its words
+OWN_PROMPTS = ("Explain this in simple words:\n\n{paragraph}",
+               "Summarize this in two or three sentences:\n\n{paragraph}",
+               "What are the key points of this text?\n\n{paragraph}",
+               "Write a short story about {word}.",
+               "Write a short poem about {word}.",
+               "Tell me something interesting about {word}.")
+ANSWERS_AT_ONCE = 32  # chats the target writes in one batch of ragged prompts
+
+
+@torch.no_grad()
+def own_answers(target: Transformer, tokenizer, text: str, n_tokens: int, batch: int = ANSWERS_AT_ONCE,
+                max_new_tokens: int = 256) -> list[Tensor]:
+    """About n_tokens of the target's own chats: prompts made from the text (OWN_PROMPTS), each followed
+    by the target's answer, sampled at temperature 0.7 so that answers vary (seeded)."""
+    from tqdm import tqdm
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    paragraphs = [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1200]
+    words = sorted({w.lower() for p in paragraphs for w in re.findall(r"\b[A-Za-z]{5,12}\b", p)})
+    if not paragraphs:
+        raise UserError("--own_answers needs a text with paragraphs (200 to 1200 characters between blank lines)")
+    chats, written = [], 0
+    with tqdm(total=n_tokens, desc="the target writes its own answers", unit="tok") as bar:
+        while written < n_tokens:
+            prompts = [torch.tensor(tokenizer.encode_prompt(rng.choice(OWN_PROMPTS).format(
+                paragraph=rng.choice(paragraphs), word=rng.choice(words)), chat=True)) for _ in range(batch)]
+            for chat in gen.generate(target, prompts, max_new_tokens, temperature=0.7, stop_ids=tokenizer.stop_ids):
+                chats.append(chat)
+                written += len(chat)
+                bar.update(len(chat))
+    return chats
 
 
 @torch.no_grad()
@@ -113,10 +154,12 @@ def train(args) -> list[float]:
     else:
         text = default_text()
     ids = torch.tensor(tokenizer.encode(text))
+    if args.own_answers:  # last, so that the held-out windows are the target's own answers
+        ids = torch.cat([ids, *own_answers(target, tokenizer, text, args.own_answers)])
     W = args.window
     if len(ids) < 4 * W:
         raise UserError(f"the text has {len(ids)} tokens; training needs at least {4 * W} (--window {W} x 4)")
-    windows = ids[: len(ids) // W * W].view(-1, W)[: args.max_windows]
+    windows = ids[len(ids) % W:].view(-1, W)[-(args.max_windows or len(ids)):]  # the last ones
     held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
     vocab_size = min(args.vocab, target.config.vocab_size)
     vocab = ids.bincount(minlength=target.config.vocab_size).topk(vocab_size).indices.sort().values
@@ -172,7 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=None, help=f"default: {HEAD_NAME} beside the checkpoint")
     p.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: this many most frequent tokens")
     p.add_argument("--window", type=int, default=512, help="tokens the target reads at once")
-    p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows of the text")
+    p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows: the text's last")
+    p.add_argument("--own_answers", type=int, default=0, metavar="N",
+                   help="train on about N tokens of the target's own answers too (written first)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--minutes", type=float, default=22, help="stop training after this long")

@@ -44,8 +44,23 @@ def trained(tiny_checkpoint, tmp_path_factory):
     text.write_text(python_docs_text("calibration")[:30000])
     args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
                                         "--window", "64", "--batch_size", "4", "--epochs", "4", "--vocab", "1024",
-                                        "--lr", "3e-3", "--precision", "fp32"])
+                                        "--lr", "3e-3", "--precision", "fp32", "--own_answers", "1000",
+                                        "--max_windows", "110"])
     return train_draft_head.train(args)
+
+
+def test_own_answers_are_the_targets_chats_on_prompts_made_from_the_text(tiny_checkpoint):
+    target, tokenizer = load_model(tiny_checkpoint, "cpu", "fp32"), get_tokenizer(tiny_checkpoint)
+    text = python_docs_text("calibration")[:30000]
+    chats = train_draft_head.own_answers(target, tokenizer, text, 300, batch=3, max_new_tokens=8)
+    again = train_draft_head.own_answers(target, tokenizer, text, 300, batch=3, max_new_tokens=8)
+    assert sum(map(len, chats)) >= 300 and all(map(torch.equal, chats, again))  # seeded: the same chats
+    templates = [t.split("{")[0] for t in train_draft_head.OWN_PROMPTS]
+    for chat in chats:  # a prompt made from a template, then at most 8 tokens of answer
+        asked = tokenizer.decode(chat.tolist()).split("\nuser\n")[1]
+        assert any(asked.startswith(t) for t in templates), asked
+        prompt = tokenizer.encode_prompt(asked.rsplit("\nassistant\n", 1)[0], chat=True)
+        assert chat[: len(prompt)].tolist() == prompt and len(chat) <= len(prompt) + 8
 
 
 def test_training_lowers_the_loss_and_saves_a_head_that_loads(trained, tiny_checkpoint):
