@@ -14,8 +14,8 @@ as EAGLE's do (in the same units), since when drafting the head reads its own pr
 The default text is the documentation every Python ships (pydoc's topics). With --own_answers N, the
 target first writes about N tokens of its own chats (prompts made from the text: explain or summarize
 a paragraph, a story or a poem about one of its words; answers sampled), and the head trains on those
-as well: it drafts the target's answers, which read unlike documentation (self-distillation, as Medusa-2
-and EAGLE's data regeneration do). The head is saved beside the checkpoint as draft_head.safetensors,
+as well: it drafts the target's answers, which read unlike documentation (self-distillation, as
+Medusa-2 does). The head is saved beside the checkpoint as draft_head.safetensors,
 with its config and the target's shape in its metadata.
 """
 
@@ -81,9 +81,9 @@ def own_answers(target: Transformer, tokenizer, text: str, n_tokens: int, batch:
     rng = random.Random(0)
     torch.manual_seed(0)
     paragraphs = [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1200]
-    words = sorted({w.lower() for p in paragraphs for w in re.findall(r"\b[A-Za-z]{5,12}\b", p)})
     if not paragraphs:
         raise UserError("--own_answers needs a text with paragraphs (200 to 1200 characters between blank lines)")
+    words = sorted({w.lower() for p in paragraphs for w in re.findall(r"\b[A-Za-z]{5,12}\b", p)})
     chats, written = [], 0
     with tqdm(total=n_tokens, desc="the target writes its own answers", unit="tok") as bar:
         while written < n_tokens:
