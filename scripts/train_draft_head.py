@@ -159,7 +159,9 @@ def train(args) -> list[float]:
     W = args.window
     if len(ids) < 4 * W:
         raise UserError(f"the text has {len(ids)} tokens; training needs at least {4 * W} (--window {W} x 4)")
-    windows = ids[len(ids) % W:].view(-1, W)[-(args.max_windows or len(ids)):]  # the last ones
+    windows = ids[len(ids) % W:].view(-1, W)
+    if args.max_windows:  # the text's last windows: its own answers, when there are any
+        windows = windows[-args.max_windows:]
     held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
     vocab_size = min(args.vocab, target.config.vocab_size)
     vocab = ids.bincount(minlength=target.config.vocab_size).topk(vocab_size).indices.sort().values
