@@ -124,3 +124,39 @@ def test_two_drafters_on_the_command_line_are_refused(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert "name different drafters" in capsys.readouterr().err
+
+
+def test_each_first_draft_is_what_the_head_predicts_over_the_whole_text(trained, tiny_checkpoint, monkeypatch):
+    """In the loop, the head's first draft of a round at text length L is its prediction at position
+    L - 1 when it reads the whole final text with the target's states (as in training): the loop
+    pairs each state with its token, and rejected drafts leave nothing behind in the head's cache.
+    The verify step keeps 0, 1, 2, 3 drafts in turn, whatever the target says (a random head's drafts
+    are never the target's), and the text is what was kept."""
+    target = load_model(tiny_checkpoint, "cpu", "fp32")
+    head = speculative.load_head(tiny_checkpoint.parent / speculative.HEAD_NAME, target)
+    prompt = torch.tensor(get_tokenizer(tiny_checkpoint).encode("Each object has an identity, a"))
+    rounds = iter(range(1000))
+
+    def keep_in_turn(logits, drafts):
+        n = torch.full_like(drafts[:, 0], next(rounds) % (drafts.shape[1] + 1))
+        return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
+
+    monkeypatch.setattr(speculative, "accept_greedy", keep_in_turn)
+    drafter, first_drafts = HeadDrafter(head), []
+    propose = drafter.propose
+
+    def recording(tokens, lengths, k, **sampling):
+        drafts, probs = propose(tokens, lengths, k, **sampling)
+        first_drafts.append((int(lengths[0]), int(drafts[0, 0])))
+        return drafts, probs
+
+    drafter.propose = recording
+    text = generate(target, [prompt], 40, temperature=0, drafter=drafter, speculate_k=3)[0]
+    with torch.no_grad():
+        target.setup_caches(1, len(text))
+        states = target.hidden_states(text[None], torch.arange(len(text))[None])
+        head.setup_caches(1, len(text))
+        logits, _ = head(target, text[None, 1:], states[:, :-1], torch.arange(1, len(text))[None])
+    predicted = head.vocab[logits[0].argmax(-1)]  # predicted[i]: the token after position i + 1
+    assert len(first_drafts) > 10
+    assert [draft for _, draft in first_drafts] == [int(predicted[length - 2]) for length, _ in first_drafts]
