@@ -217,6 +217,14 @@ class Transformer(nn.Module):
             self.ring_positions = self.ring_positions[rows]
         self.max_batch_size = len(rows)
 
+    def move_cache_entries(self, source: Tensor, target: Tensor):
+        """Each row's keys and values at slot source (B,) are copied to slot target (B,), in every
+        layer's full cache: a draft the tree verified in a slot of its own goes where its position is."""
+        rows = torch.arange(source.shape[0], device=source.device)
+        for layer in self.layers:
+            for buffer in layer.attention.kv_cache.buffers():
+                buffer[rows, :, target] = buffer[rows, :, source]
+
     def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None,
                 key_positions: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
@@ -234,12 +242,19 @@ class Transformer(nn.Module):
         """The last layer's output (B, T, dim) -> logits (B, T, vocab_size)."""
         return softcap(self.output(self.norm(x)), self.config.logit_softcap)
 
-    def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
+    def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None,
+                      tree: Tensor | None = None) -> Tensor:
         """The last layer's output (B, T, dim), writing the KV cache at input_pos (B, T)."""
-        return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions)
+        return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions, tree)
 
-    def blocks(self, x: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
-        """x (B, T, dim) through every layer, writing the KV cache at input_pos (B, T)."""
+    def blocks(self, x: Tensor, input_pos: Tensor, key_positions: Tensor | None = None,
+               tree: Tensor | None = None) -> Tensor:
+        """x (B, T, dim) through every layer, writing the KV cache at input_pos (B, T).
+
+        tree (T, T), for speculative decoding's drafts as a tree: tree[i, j] when token j is token i's
+        ancestor or i itself, the root first. The T tokens then lie in consecutive slots from
+        input_pos[:, 0], each at the position of its depth in the tree (RoPE), and each sees the cache
+        before the root and, of the tree, only its ancestors and itself. Full caches only."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
         B, T, _ = x.shape
@@ -247,7 +262,11 @@ class Transformer(nn.Module):
             return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
                               for i in range(0, T, self.chunk)], dim=1)
         key_positions = self.positions if key_positions is None else key_positions  # (B, n)
-        full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
+        if tree is None:
+            full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
+        else:
+            depths = tree.sum(-1) - 1  # (T,)
+            full = self.rope_cache[input_pos[:, :1] + depths], tree_attention_mask(input_pos, key_positions, tree)
         if c.sliding_window:
             rows = torch.arange(B, device=x.device).unsqueeze(1)
             self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
@@ -279,6 +298,17 @@ def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None
     if window is not None:
         visible &= k > q - window
     return visible.unsqueeze(1)
+
+
+def tree_attention_mask(input_pos: Tensor, key_pos: Tensor, tree: Tensor) -> Tensor:
+    """(B, 1, T, S): the T tokens of a tree (T, T), in consecutive slots from input_pos[:, 0] (B, T),
+    see the keys before the first of them and, of their own, the ones the tree marks. key_pos: (B, S)."""
+    T = tree.shape[0]
+    node = key_pos - input_pos[:, :1]  # (B, S): the token of the tree a slot holds, when in 0..T-1
+    in_tree = (node >= 0) & (node < T)
+    sees = tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # (B, T, S)
+    before = ((key_pos >= 0) & (node < 0)).unsqueeze(1)  # (B, 1, S)
+    return torch.where(in_tree.unsqueeze(1), sees, before).unsqueeze(1)
 
 
 def softcap(x: Tensor, cap: float | None) -> Tensor:

@@ -11,11 +11,15 @@ vocabulary, or the target quantized to int4), `PromptLookup` (the continuation o
 earlier occurrence of the last n-gram, no model), and `HeadDrafter`, a small head trained on the
 target's own hidden states (`DraftHead`, EAGLE-style; scripts/train_draft_head.py trains one). A new
 drafter subclasses `Drafter`; the loop in
-`speculative_generate` knows none of their details. Use it through
+`speculative_generate` knows none of their details. A drafter built with `alternatives=m` also
+offers its next m best tokens at each depth: the target checks them in the same forward, the drafts
+as a tree (each alternative in place of the draft at its depth; `draft_tree`), and keeps one where
+the draft fails. Use it through
 `generate.generate(..., drafter=DraftModel(small_model))`.
 """
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -36,6 +40,7 @@ class Drafter:
     in `accepted`; it must then always propose, as the target's plain steps keep theirs to themselves."""
 
     reads_states = False
+    alternatives = 0  # other tokens offered at each depth, besides the draft (tree drafting)
 
     def start(self, target: Transformer, tokens: Tensor, prompt_lengths: Tensor, cache_length: int,
               states: Tensor | None = None, **sampling):
@@ -46,7 +51,9 @@ class Drafter:
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, **sampling) -> tuple[Tensor, Tensor | None] | None:
         """k drafts a row (B, k) and, when sampling, the drafter's probabilities for them (B, k, V), or
         None for drafts it is sure of (all of their probability on the token). None instead of a pair:
-        no proposal this round, the target takes a plain step."""
+        no proposal this round, the target takes a plain step. With alternatives m > 0, the drafts are
+        (B, k, 1 + m): at each depth the draft, then m other tokens (deterministic given the draft),
+        which the target checks in its place; probabilities stay the draft's."""
         raise NotImplementedError
 
     def accepted(self, n: Tensor, active: Tensor, states: Tensor):
@@ -55,10 +62,11 @@ class Drafter:
 
 
 class DraftModel(Drafter):
-    """A draft model with its own static cache, decoding k tokens a round."""
+    """A draft model with its own static cache, decoding k tokens a round (and offering its next
+    `alternatives` best tokens at each depth)."""
 
-    def __init__(self, model: Transformer):
-        self.model = model
+    def __init__(self, model: Transformer, alternatives: int = 0):
+        self.model, self.alternatives = model, alternatives
 
     def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
         if self.model.config.vocab_size != target.config.vocab_size:
@@ -87,9 +95,9 @@ class DraftModel(Drafter):
                 q = decode.logits_to_probs(logits, **sampling)
                 x = decode.sample_from(q)
                 probs.append(q)
-            drafts.append(x)
+            drafts.append(with_alternatives(x, logits, self.alternatives))
             pos = pos[:, -1:] + 1
-        return torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
+        return torch.stack(drafts, dim=1).squeeze(-1), torch.stack(probs, dim=1) if probs else None  # (B, k[, 1 + m])
 
 
 class PromptLookup(Drafter):
@@ -195,12 +203,13 @@ class HeadDrafter(Drafter):
     """Drafts with a DraftHead: one head step a token, no layer of the target. After each verify
     step, one head forward over its k + 1 positions writes what the target saw there (its states, the
     accepted tokens) into the head's cache, and its output at each row's last text position gives the
-    first draft; k - 1 single steps, each fed the head's own predicted state, give the rest."""
+    first draft; k - 1 single steps, each fed the head's own predicted state, give the rest (and,
+    with alternatives, its next best tokens at each depth)."""
 
     reads_states = True
 
-    def __init__(self, head: DraftHead):
-        self.head = head
+    def __init__(self, head: DraftHead, alternatives: int = 0):
+        self.head, self.alternatives = head, alternatives
 
     def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
         if self.head.config.dim != target.config.dim or int(self.head.vocab.max()) >= target.config.vocab_size:
@@ -237,17 +246,17 @@ class HeadDrafter(Drafter):
         for i in range(k):
             if i > 0:
                 pos = (lengths + i - 1)[:, None].clamp(max=self.last_position)
-                logits, state = head_step(self.head, self.target, drafts[-1], state, pos, keys)
+                logits, state = head_step(self.head, self.target, drafts[-1][:, :1], state, pos, keys)
             if sampling["temperature"] == 0:
-                drafts.append(self.head.vocab[logits[:, -1].argmax(-1, keepdim=True)])
+                choice = logits[:, -1].argmax(-1, keepdim=True)
             else:
                 q = decode.logits_to_probs(logits[:, -1], **sampling)  # (B, N)
                 choice = decode.sample_from(q)
-                drafts.append(self.head.vocab[choice])
                 probs.append(torch.zeros(q.shape[0], self.target.config.vocab_size, device=q.device)
                              .scatter_(1, self.head.vocab.expand(q.shape[0], -1), q))
+            drafts.append(self.head.vocab[with_alternatives(choice, logits[:, -1], self.alternatives)])
         self.lengths = lengths
-        return torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
+        return torch.stack(drafts, dim=1).squeeze(-1), torch.stack(probs, dim=1) if probs else None  # (B, k[, 1 + m])
 
     def accepted(self, n, active, states):
         self.verified = states, self.lengths  # verified at positions lengths - 1 ...: the head's at lengths ...
@@ -258,6 +267,15 @@ def head_step(head: DraftHead, target: Transformer, tokens: Tensor, states: Tens
     """DraftHead.forward, cloned: CUDA graphs reuse their output buffers."""
     logits, state = head(target, tokens, states, pos, keys, last)
     return logits.clone(), state.clone()
+
+
+def with_alternatives(choice: Tensor, scores: Tensor, m: int) -> Tensor:
+    """The chosen token (B, 1) followed by the m best others by scores (B, V): (B, 1 + m)."""
+    if m == 0:
+        return choice
+    top = scores.topk(m + 1, dim=-1).indices  # (B, m + 1): holds the choice, or m + 1 others
+    first_others = (top != choice).long().argsort(dim=1, descending=True, stable=True)[:, :m]
+    return torch.cat([choice, top.gather(1, first_others)], dim=1)
 
 
 def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_tokens: int, drafter: Drafter, *,
@@ -275,9 +293,16 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     B = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(prompt_lengths.max())
-    # the plain cache: a verify step's positions past it are clamped to its last slot, since they
-    # only ever hold drafts beyond the requested length
-    cache_length = decode.padded_length(T + max_new_tokens, model.config.block_size)
+    # the plain cache, and room for a tree's alternatives: a verify step's slots past it are clamped to
+    # its last, since they only ever hold drafts beyond the requested length
+    room = k * drafter.alternatives
+    if room and model.config.sliding_window:
+        raise UserError("drafting with alternatives (a tree) needs full caches, and this model has sliding-window "
+                        "layers: draft without alternatives")
+    if room and T + max_new_tokens + room > model.config.block_size:
+        raise UserError(f"drafting with alternatives (a tree) needs {room} positions of room past the prompt and "
+                        f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens")
+    cache_length = decode.padded_length(T + max_new_tokens + room, model.config.block_size)
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
     model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
@@ -303,11 +328,12 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     if callback:
         decode.stream(callback, cur, torch.ones_like(cur, dtype=torch.bool))
     accepted_counts = torch.zeros(k + 1, dtype=torch.long, device=device)
+    alternatives_kept = torch.zeros((), dtype=torch.long, device=device)
     offsets = torch.arange(k + 1, device=device)
     plain_steps = 0
 
     while not done.all():  # host syncs a round, not a token
-        keys = decode.key_positions(model, int(lengths.max()) + k)  # a verify step's last position + 1
+        keys = decode.key_positions(model, int(lengths.max()) + k + room)  # a verify step's last slot + 1
         proposal = drafter.propose(tokens, lengths, k, **sampling)
         if proposal is None:
             n = torch.zeros_like(lengths)
@@ -315,9 +341,13 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             drafts = cur.expand(-1, k)  # placeholders, none kept
             plain_steps += 1
         else:
-            drafts, draft_probs = proposal
-            n, next_token, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys, **sampling)
+            drafts, draft_probs = proposal  # drafts (B, k), or (B, k, 1 + m) with alternatives
+            chain = drafts if drafts.dim() == 2 else drafts[..., 0]
+            # drafts (B, k) as kept: an alternative stands in place of the draft it replaced
+            n, next_token, drafts, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys,
+                                                   **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
+            alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
             drafter.accepted(n, ~done, states)
         # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
         emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
@@ -333,8 +363,11 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         lengths = torch.minimum(lengths + n + 1, limit)
         done |= lengths == limit
 
-    if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted; steps without drafts
+    if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted (an alternative counts as
+        # its draft); steps without drafts; with alternatives, the rounds that kept one
         stats.update(accepted_counts=accepted_counts.tolist(), plain_steps=plain_steps)
+        if room:
+            stats.update(alternatives_kept=int(alternatives_kept))
     return [torch.cat([p.cpu(), decode.until_stop(row[len(p): end], stop_ids)])
             for p, row, end in zip(prompts, tokens.cpu(), lengths.tolist())]
 
@@ -373,41 +406,87 @@ def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, m
 
 def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor | None, lengths: Tensor,
            cache_length: int, keys: Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Score cur and the k drafts in one forward of the target, writing them into its cache; keys:
-    decode.key_positions() above all of their positions. Returns each row's number of accepted
-    drafts n (B,), the token that follows them (B,), and the target's last-layer states (B, k + 1, dim)."""
-    k = drafts.shape[1]
-    x = torch.cat([cur, drafts], dim=1)  # (B, k + 1)
-    pos = ((lengths - 1)[:, None] + torch.arange(k + 1, device=x.device)).clamp(max=cache_length - 1)
-    logits, states = target_step(model, x, pos, keys)  # (B, k + 1, V), (B, k + 1, dim)
+           top_p: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Score cur and the drafts in one forward of the target, writing them into its cache; keys:
+    decode.key_positions() above all of their slots. drafts (B, k), or (B, k, 1 + m): each draft
+    and m alternatives to it, scored as a tree (draft_tree). Returns each row's number of kept drafts
+    n (B,), the token that follows them (B,), the drafts as kept (B, k: an alternative in place of
+    the draft it replaced) and the target's last-layer states at cur and them (B, k + 1, dim)."""
+    chain, alternatives = (drafts, None) if drafts.dim() == 2 else (drafts[..., 0], drafts[..., 1:])
+    B, k = chain.shape
+    x = torch.cat([cur, chain] + ([] if alternatives is None else [alternatives.flatten(1)]), dim=1)  # (B, N)
+    tree = None if alternatives is None else draft_tree(k, alternatives.shape[2], x.device)
+    pos = ((lengths - 1)[:, None] + torch.arange(x.shape[1], device=x.device)).clamp(max=cache_length - 1)
+    logits, states = target_step(model, x, pos, keys, tree)  # (B, N, V), (B, N, dim)
     if temperature == 0:
-        return *accept_greedy(logits, drafts), states
-    B, _, V = logits.shape
-    target_probs = decode.logits_to_probs(logits.view(-1, V), temperature, top_k, top_p).view(B, k + 1, V)
-    if draft_probs is None:  # all of the draft's probability on its token
-        draft_probs = torch.zeros(B, k, V, device=x.device).scatter_(2, drafts[..., None], 1.0)
-    return *accept_sampled(target_probs, draft_probs, drafts), states
+        n, next_token, node = accept_greedy(logits, chain, alternatives)
+    else:
+        V = logits.shape[-1]
+        target_probs = decode.logits_to_probs(logits.view(-1, V), temperature, top_k, top_p).view(B, -1, V)
+        if draft_probs is None:  # all of the draft's probability on its token
+            draft_probs = torch.zeros(B, k, V, device=x.device).scatter_(2, chain[..., None], 1.0)
+        n, next_token, node = accept_sampled(target_probs, draft_probs, chain, alternatives)
+    # the kept path through the scored tokens: cur, the kept drafts, and the alternative, if one was kept
+    steps = torch.arange(k + 1, device=x.device)
+    path = torch.where(steps == n[:, None], node[:, None], steps)  # (B, k + 1)
+    if alternatives is not None and bool((node != n).any()):  # its keys and values go where its position is
+        rows = torch.arange(B, device=x.device)
+        model.move_cache_entries(pos[rows, node], pos[rows, n])
+    return n, next_token, x.gather(1, path[:, 1:]), states.gather(1, path[..., None].expand(-1, -1, states.shape[2]))
 
 
-def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+@functools.cache
+def draft_tree(k: int, m: int, device=None) -> Tensor:
+    """The tokens a verify step scores with alternatives, as a tree (Transformer.blocks): the last
+    token of the text (the root), the k drafts, each below the one before, then at each depth in turn
+    the m alternatives to its draft, siblings of it. (N, N), N = 1 + k + k * m: [i, j] when token j
+    is token i's ancestor or i itself."""
+    parents = [0, *range(k), *(depth for depth in range(k) for _ in range(m))]
+    tree = torch.eye(len(parents), dtype=torch.bool, device=device)
+    for i in range(1, len(parents)):
+        tree[i] |= tree[parents[i]]
+    return tree
+
+
+def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, tree: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
     """The target's logits (B, T, V) and last-layer states (B, T, dim) for x (B, T) at pos (B, T)."""
-    states = model.hidden_states(x, pos, keys)
+    states = model.hidden_states(x, pos, keys, tree)
     return model.logits(states).clone(), states.clone()  # clone: CUDA graphs reuse their output buffers
 
 
-def accept_greedy(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact greedy: a draft stands while it is the target's argmax. logits (B, k + 1, V), drafts (B, k)."""
-    best = logits.argmax(-1)  # (B, k + 1): the target's choice after cur, d1, ..., dk
-    n = (drafts == best[:, :-1]).long().cumprod(1).sum(1)
-    return n, best.gather(1, n[:, None])[:, 0]
+def accept_greedy(logits: Tensor, drafts: Tensor, alternatives: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Exact greedy: a draft stands while it is the target's argmax; where one falls, the alternative
+    at its depth that is the argmax, if any, stands in its place and ends the row's drafts. logits
+    (B, N, V) at cur, the drafts and the alternatives (draft_tree's order); drafts (B, k); alternatives
+    (B, k, m). Returns the kept drafts n (B,), the target's token after them (B,) and the index into N
+    of the last kept token (B,)."""
+    best = logits.argmax(-1)  # (B, N): the target's choice after each scored token
+    k = drafts.shape[1]
+    n = (drafts == best[:, :k]).long().cumprod(1).sum(1)
+    node = n
+    if alternatives is not None:
+        rows, m = torch.arange(len(n), device=n.device), alternatives.shape[2]
+        hit = (alternatives[rows, n.clamp(max=k - 1)] == best[rows, n, None]) & (n < k)[:, None]  # (B, m)
+        kept = hit.any(1)
+        node = torch.where(kept, k + 1 + n * m + hit.long().argmax(1), n)
+        n = n + kept.long()
+    return n, best.gather(1, node[:, None])[:, 0], node
 
 
-def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
+def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor, alternatives: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Modified rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft i with
     probability min(1, p(d_i) / q(d_i)); at the first rejection, sample from normalize(max(0, p - q));
     if all k stand, a bonus token from the target's last distribution. The output is distributed
-    exactly as the target's. target_probs (B, k + 1, V), draft_probs (B, k, V), drafts (B, k)."""
+    exactly as the target's. target_probs (B, N, V) in draft_tree's order, draft_probs (B, k, V),
+    drafts (B, k). Returns as accept_greedy does.
+
+    With alternatives (B, k, m), the draw from the residual at the depth where a draft fell is itself
+    made by rejection, each alternative a proposal of all its probability on one token: accepted with
+    the residual's probability of it, else removed from the residual, which is renormalized. That
+    draws from the residual exactly (the alternatives depend on nothing the target draws); when one
+    stands, the next token comes from the target's distribution after it."""
     B, k = drafts.shape
     p = target_probs[:, :k].gather(2, drafts[..., None])[..., 0]  # (B, k)
     q = draft_probs.gather(2, drafts[..., None])[..., 0]
@@ -420,7 +499,22 @@ def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor) ->
     residual = (p_n - q_n).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)  # p == q leaves nothing: use p
-    return n, decode.sample_from(residual)[:, 0]  # a fresh draw, not the acceptance uniform
+    node = n
+    if alternatives is not None:
+        m = alternatives.shape[2]
+        offered = alternatives[rows, n.clamp(max=k - 1)]  # (B, m): at the depth where the draft fell
+        open_rows = n < k
+        for i in range(m):
+            a = offered[:, i : i + 1]
+            take = open_rows & (torch.rand(B, device=drafts.device) < residual.gather(1, a)[:, 0])
+            node = torch.where(take, k + 1 + n * m + i, node)
+            open_rows &= ~take
+            rest = residual.scatter(1, a, 0.0)
+            residual = torch.where(open_rows[:, None], rest / rest.sum(-1, keepdim=True).clamp(min=1e-30), residual)
+        kept = node != n
+        residual = torch.where(kept[:, None], target_probs[rows, node], residual)
+        n = n + kept.long()
+    return n, decode.sample_from(residual)[:, 0], node  # a fresh draw, not the acceptance uniform
 
 
 def compile_steps():
@@ -443,6 +537,7 @@ def format_stats(stats: dict, k: int) -> str:
     rounds = sum(counts)
     accepted = sum(i * c for i, c in enumerate(counts))
     histogram = " ".join(f"{i}:{c}" for i, c in enumerate(counts))
+    tree = f"{stats['alternatives_kept']} of them ending in an alternative, " if "alternatives_kept" in stats else ""
     return (f"acceptance rate {acceptance_rate(stats, k):.1%}, mean tokens per verify step "
             f"{(accepted + rounds) / max(1, rounds):.2f}, accepted drafts per verify step [{histogram}], "
-            f"{stats['plain_steps']} plain steps")
+            f"{tree}{stats['plain_steps']} plain steps")

@@ -170,7 +170,8 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens():
     decode.compile_steps()
     speculative.compile_steps()
     self_int4 = quantized(random_model(torch.bfloat16), "int4")  # the target's weights in int4 draft for it
-    for drafter in (speculative.PromptLookup(), speculative.DraftModel(draft), speculative.DraftModel(self_int4)):
+    for drafter in (speculative.PromptLookup(), speculative.DraftModel(draft), speculative.DraftModel(self_int4),
+                    speculative.DraftModel(draft, alternatives=2)):  # a tree: its mask and moves under CUDA graphs
         for out, ref in zip(generate(target, batch, 24, temperature=0, drafter=drafter, speculate_k=4), plain):
             assert torch.equal(out, ref), type(drafter).__name__
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0

@@ -73,8 +73,8 @@ def test_training_lowers_the_loss_and_saves_a_head_that_loads(trained, tiny_chec
     assert head.config.n_layer == 1 and len(head.vocab) == 1024 and head.fc.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_with_the_trained_head_is_plain_greedy(trained, tiny_checkpoint, k):
+@pytest.mark.parametrize("k, alternatives", [(1, 0), (4, 0), (3, 2)])
+def test_greedy_with_the_trained_head_is_plain_greedy(trained, tiny_checkpoint, k, alternatives):
     target = load_model(tiny_checkpoint, "cpu", "fp32")
     head = speculative.load_head(tiny_checkpoint.parent / speculative.HEAD_NAME, target)
     tokenizer = get_tokenizer(tiny_checkpoint)
@@ -82,7 +82,8 @@ def test_greedy_with_the_trained_head_is_plain_greedy(trained, tiny_checkpoint, 
     for batch in ([prompts[0]], prompts):
         plain = generate(target, batch, 20, temperature=0)
         stats = {}
-        spec = generate(target, batch, 20, temperature=0, drafter=HeadDrafter(head), speculate_k=k, stats=stats)
+        spec = generate(target, batch, 20, temperature=0, drafter=HeadDrafter(head, alternatives), speculate_k=k,
+                        stats=stats)
         assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
         assert sum(stats["accepted_counts"]) > 0 and stats["plain_steps"] == 0
 
@@ -95,8 +96,9 @@ def test_greedy_with_a_head_on_the_bundled_model_is_plain_greedy(model_fp32, bun
     tokenizer = get_tokenizer(bundled_checkpoint)
     prompts = [torch.tensor(tokenizer.encode(t)) for t in ("Once upon a time,", "def add(a, b):\n    return")]
     plain = generate(model_fp32, prompts, 16, temperature=0)
-    spec = generate(model_fp32, prompts, 16, temperature=0, drafter=HeadDrafter(head), speculate_k=3)
-    assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
+    for alternatives in (0, 2):
+        spec = generate(model_fp32, prompts, 16, temperature=0, drafter=HeadDrafter(head, alternatives), speculate_k=3)
+        assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
 
 
 def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, model_fp32, tmp_path):
@@ -137,9 +139,9 @@ def test_each_first_draft_is_what_the_head_predicts_over_the_whole_text(trained,
     prompt = torch.tensor(get_tokenizer(tiny_checkpoint).encode("Each object has an identity, a"))
     rounds = iter(range(1000))
 
-    def keep_in_turn(logits, drafts):
+    def keep_in_turn(logits, drafts, alternatives=None):
         n = torch.full_like(drafts[:, 0], next(rounds) % (drafts.shape[1] + 1))
-        return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
+        return n, logits.argmax(-1).gather(1, n[:, None])[:, 0], n
 
     monkeypatch.setattr(speculative, "accept_greedy", keep_in_turn)
     drafter, first_drafts = HeadDrafter(head), []

@@ -1,8 +1,12 @@
 """Speculative decoding: exactly the target's output, greedy token for token and sampled in distribution."""
 
+import copy
+
 import pytest
 import torch
 
+import cpu_decode
+import decode
 import speculative
 from errors import UserError
 from generate import generate, get_tokenizer, load_model
@@ -109,6 +113,118 @@ def test_lengths_up_to_the_context_run_speculatively(max_new_tokens):
                             speculate_k=k).tolist() == plain.tolist()
     with pytest.raises(UserError, match="context length"):
         generate(target, prompt, 21, drafter=PromptLookup())
+    for k in (1, 5):  # a tree's alternatives take k more slots while they are verified
+        tree = DraftModel(draft, alternatives=1)
+        if 80 + max_new_tokens + k <= 100:
+            assert generate(target, prompt, max_new_tokens, temperature=0, drafter=tree,
+                            speculate_k=k).tolist() == plain.tolist()
+        else:
+            with pytest.raises(UserError, match="positions of room"):
+                generate(target, prompt, max_new_tokens, drafter=tree, speculate_k=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafts with alternatives, verified as a tree
+
+
+def near_copy(model: Transformer, noise: float) -> Transformer:
+    """The model with noise on its output layer: its top token is often not the model's, and the
+    model's is often among its next few, where alternatives find it."""
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        draft.output.weight.add_(torch.randn_like(draft.output.weight) * noise * draft.output.weight.std())
+    return draft
+
+
+def test_each_token_of_a_tree_sees_its_path():
+    """A tree forward's logits at each token are those of a plain forward of the path to it (fp32)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=128)).eval()
+    k, m, L = 3, 2, 7  # a text of L tokens, its last the root
+    text, nodes = torch.randint(0, 64, (1, L)), torch.randint(0, 64, (1, k + k * m))
+    tree = speculative.draft_tree(k, m)
+    with torch.no_grad():
+        model.setup_caches(1, 64)
+        model(text[:, :-1], torch.arange(L - 1))
+        x = torch.cat([text[:, -1:], nodes], dim=1)
+        logits = model.logits(model.hidden_states(x, L - 1 + torch.arange(x.shape[1])[None], tree=tree))
+        for i in range(x.shape[1]):
+            path = x[:, tree[i]]  # its ancestors in order, then itself
+            model.setup_caches(1, 64)
+            plain = model(torch.cat([text[:, :-1], path], dim=1), torch.arange(L - 1 + path.shape[1]))
+            torch.testing.assert_close(logits[:, i], plain[:, -1], rtol=1e-5, atol=1e-5)
+        # compiled with the CPU forms, as the verify step runs: the same logits
+        cpu_decode.apply(model)
+        model.setup_caches(1, 64)
+        model(text[:, :-1], torch.arange(L - 1))
+        pos = L - 1 + torch.arange(x.shape[1])[None]
+        step = torch.compile(speculative.target_step, fullgraph=True, dynamic=False)
+        compiled, _ = step(model, x, pos, decode.key_positions(model, L + x.shape[1]), tree)
+        torch.testing.assert_close(compiled, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_acceptance_with_alternatives():
+    k, m, V = 2, 2, 9
+    best = torch.tensor([[5, 0, 0, 0, 1, 0, 0],  # d1 falls (5 is wanted): its second alternative stands
+                         [3, 5, 6, 0, 0, 0, 0],  # d1 and d2 stand
+                         [3, 4, 8, 0, 0, 0, 0],  # d1 stands, d2 falls, no alternative is 4
+                         [3, 4, 7, 0, 0, 2, 0]])  # d1 stands, d2 falls, its first alternative is 4 and stands
+    logits = torch.full((4, 1 + k + k * m, V), -1.0).scatter_(2, best[..., None], 1.0)
+    drafts = torch.tensor([[1, 2], [3, 5], [3, 6], [3, 6]])
+    alternatives = torch.tensor([[[4, 5], [7, 8]]] * 4)  # at depth 1: 4, 5; at depth 2: 7, 8
+    alternatives[3, 1] = torch.tensor([4, 8])
+    n, next_token, node = speculative.accept_greedy(logits, drafts, alternatives)
+    assert n.tolist() == [1, 2, 1, 2] and node.tolist() == [4, 2, 1, 5] and next_token.tolist() == [1, 6, 4, 2]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_sampling_with_alternatives_draws_from_the_target(m):
+    """The first token's law is the target's p at the root, and the token after a kept alternative
+    follows the target's law at that alternative (chi-square). The draft drafts 0 most often and
+    the target wants 1 or 2 more often: each rejected 0 offers 1, then 2, as alternatives; with one
+    alternative, the token after a refused 1 comes from the residual."""
+    torch.manual_seed(4321)
+    k, V, N = 1, 5, 60000
+    p = torch.distributions.Dirichlet(torch.ones(V)).sample((1 + k + k * m,))  # after the root, d1, alternatives
+    p[0] = torch.tensor([0.1, 0.35, 0.3, 0.15, 0.1])
+    q = torch.tensor([[0.3, 0.25, 0.2, 0.15, 0.1]])
+    drafts = torch.multinomial(q[0], N, replacement=True)[:, None]  # (N, 1)
+    alternatives = speculative.with_alternatives(drafts, q.expand(N, V), m)[:, None, 1:]  # (N, 1, m)
+    n, t, node = speculative.accept_sampled(p.expand(N, -1, -1), q.expand(N, k, V), drafts, alternatives)
+    first = torch.where(n == 0, t, drafts[:, 0])
+    kept_alternative = node > k
+    first[kept_alternative] = alternatives[kept_alternative, 0].gather(1, (node - k - 1)[kept_alternative, None])[:, 0]
+    groups = [(torch.ones(N, dtype=torch.bool), first, p[0])]
+    groups += [(node == k + 1 + i, t, p[k + 1 + i]) for i in range(m)]  # after each alternative
+    for rows, token, law in groups:
+        assert rows.sum() > 3000
+        counts = torch.bincount(token[rows], minlength=V).double()
+        expected = law.double() * rows.sum()
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        p_value = torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.float64), chi2 / 2)
+        assert p_value > 1e-4, (counts.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_greedy_with_alternatives_is_plain_greedy(m):
+    torch.manual_seed(0)
+    target = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=256)).eval()
+    draft = near_copy(target, 0.6)
+    prompts = [torch.randint(0, 64, (n,)) for n in (5, 9, 3)]
+    plain = [o.tolist() for o in generate(target, prompts, 40, temperature=0)]
+    for k in (1, 3, 5):
+        stats = {}
+        spec = generate(target, prompts, 40, temperature=0, drafter=DraftModel(draft, alternatives=m), speculate_k=k,
+                        stats=stats)
+        assert [o.tolist() for o in spec] == plain
+        assert stats["alternatives_kept"] > 5, stats
+
+
+def test_alternatives_on_a_sliding_window_model_are_refused():
+    config = ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=128, sliding_window=16)
+    model = Transformer(config).eval()
+    with pytest.raises(UserError, match="sliding-window"):
+        generate(model, torch.tensor([1, 2, 3]), 4, drafter=DraftModel(model, alternatives=1))
 
 
 def test_a_new_drafter_is_one_class():
@@ -169,8 +285,8 @@ def test_greedy_acceptance():
     best = torch.tensor([[3, 1, 2, 5], [0, 4, 4, 1]])  # the target's argmax after cur, d1, d2, d3
     logits.scatter_(2, best[..., None], 1.0)
     drafts = torch.tensor([[3, 1, 0], [1, 4, 4]])
-    n, next_token = speculative.accept_greedy(logits, drafts)
-    assert n.tolist() == [2, 0] and next_token.tolist() == [2, 0]
+    n, next_token, node = speculative.accept_greedy(logits, drafts)
+    assert n.tolist() == [2, 0] and next_token.tolist() == [2, 0] and node.tolist() == [2, 0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +315,7 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
     p, q = CASES[case](None)  # p: (k + 1, V), q: (k, V)
     N, k, V = 40000, q.shape[0], p.shape[1]
     drafts = torch.stack([torch.multinomial(q[j], N, replacement=True) for j in range(k)], dim=1)  # (N, k)
-    n, t = speculative.accept_sampled(p.expand(N, k + 1, V), q.expand(N, k, V), drafts)
+    n, t, _ = speculative.accept_sampled(p.expand(N, k + 1, V), q.expand(N, k, V), drafts)
     for j in range(k + 1):  # the token emitted at position j, in the rows that reach it
         reached = n >= j
         token = torch.where(n > j, drafts[:, min(j, k - 1)], t) if j < k else t

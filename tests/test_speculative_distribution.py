@@ -221,7 +221,9 @@ def random_head() -> DraftHead:
 
 DRAFTERS = {"draft-model": lambda draft: DraftModel(draft), "prompt-lookup": lambda draft: PromptLookup(),
             "lookup-every-other-round": lambda draft: LookupEveryOtherRound(),
-            "draft-head": lambda draft: HeadDrafter(random_head())}
+            "draft-head": lambda draft: HeadDrafter(random_head()),
+            "draft-model-alternatives": lambda draft: DraftModel(draft, alternatives=2),
+            "draft-head-alternatives": lambda draft: HeadDrafter(random_head(), alternatives=1)}
 CASES = [  # drafter, sampling, speculate_k: k varies so that a row's 3 tokens take 1 to 3 rounds
     pytest.param("draft-model", "plain", 2, id="draft-model-T1-k2"),
     pytest.param("draft-model", "filtered", 3, id="draft-model-T0.7-topk5-topp0.9-k3"),
@@ -230,6 +232,8 @@ CASES = [  # drafter, sampling, speculate_k: k varies so that a row's 3 tokens t
     pytest.param("lookup-every-other-round", "plain", 2, id="lookup-every-other-round-T1-k2"),
     pytest.param("draft-head", "plain", 2, id="draft-head-T1-k2"),
     pytest.param("draft-head", "filtered", 3, id="draft-head-T0.7-topk5-topp0.9-k3"),
+    pytest.param("draft-model-alternatives", "plain", 2, id="draft-model-2-alternatives-T1-k2"),
+    pytest.param("draft-head-alternatives", "filtered", 3, id="draft-head-1-alternative-T0.7-topk5-topp0.9-k3"),
 ]
 
 
@@ -254,6 +258,8 @@ def test_speculative_sampling_has_the_targets_joint_law(drafter_name, sampling_n
     assert accepted[0] > 0 and sum(accepted[1:]) > 0, stats
     if drafter_name == "lookup-every-other-round":
         assert plain_steps > 0, stats
+    if drafter_name.endswith("alternatives"):  # and alternatives stood in for rejected drafts
+        assert sum(s["alternatives_kept"] for s in stats) > 0.05 * CALLS * ROWS * len(PROMPTS), stats
     ended_early = sum(c for counts in samples for o, c in counts.items() if len(o) < HORIZON)
     assert ended_early > 0.1 * CALLS * ROWS * len(PROMPTS)  # the stop token ended many rows early
 
@@ -301,10 +307,10 @@ def test_the_end_to_end_test_catches_a_wrong_residual(target, draft, laws, monke
     says so, on a sixth of a case's rows."""
     accept_sampled = speculative.accept_sampled
 
-    def resample_from_target(target_probs, draft_probs, drafts):
-        n, _ = accept_sampled(target_probs, draft_probs, drafts)
+    def resample_from_target(target_probs, draft_probs, drafts, alternatives=None):
+        n, _, node = accept_sampled(target_probs, draft_probs, drafts)
         rows = torch.arange(len(n), device=n.device)
-        return n, decode.sample_from(target_probs[rows, n])[:, 0]
+        return n, decode.sample_from(target_probs[rows, n])[:, 0], node
 
     monkeypatch.setattr(speculative, "accept_sampled", resample_from_target)
     torch.manual_seed(11)
