@@ -321,8 +321,9 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str, r
                  world_size: int = 1) -> speculative.Drafter | None:
     """The drafter of --draft / --draft_checkpoint_path, or None. A draft model is replicated on
     every rank under torchrun (it is small)."""
+    alternatives = args.draft_alternatives
     if args.draft_checkpoint_path:
-        return speculative.DraftModel(load_model(args.draft_checkpoint_path, device, args.precision))
+        return speculative.DraftModel(load_model(args.draft_checkpoint_path, device, args.precision), alternatives)
     if args.draft == "self-int4":
         def int4_copy() -> Path:
             path = quantize.output_path(checkpoint_path, "int4", 32)
@@ -332,13 +333,13 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str, r
             return path
 
         path = tp.rank_zero_first(int4_copy) if world_size > 1 else int4_copy()
-        return speculative.DraftModel(load_model(path, device, args.precision))
+        return speculative.DraftModel(load_model(path, device, args.precision), alternatives)
     if args.draft == "prompt-lookup":
         return speculative.PromptLookup()
     if args.draft == "head" or args.draft_head:
         head = speculative.load_head(args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME, model)
         cpu_decode.apply(head)  # as load_model does for a model
-        return speculative.HeadDrafter(head)
+        return speculative.HeadDrafter(head, alternatives)
     return None
 
 
@@ -417,6 +418,9 @@ def parse_args(argv=None):
                    help=f"speculative decoding with this draft head (default with --draft head: "
                         f"{speculative.HEAD_NAME} beside the checkpoint)")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
+    p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
+                   help="tree drafting: the target also checks the drafter's next M best tokens at each depth, "
+                        "in the same forward (a draft model or head)")
     p.add_argument("--compile", action="store_true", help="compile decoding (CUDA graphs on GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill, for any prompt length")
     p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
@@ -436,6 +440,11 @@ def parse_args(argv=None):
     drafters = (args.draft_checkpoint_path, args.draft_head or args.draft == "head", args.draft not in (None, "head"))
     if sum(map(bool, drafters)) > 1:
         p.error("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
+    if args.draft_alternatives < 0:
+        p.error("--draft_alternatives must be 0 or more")
+    if args.draft_alternatives and not (args.draft_checkpoint_path or drafters[1] or args.draft == "self-int4"):
+        p.error("--draft_alternatives goes with a drafter that ranks tokens: --draft_checkpoint_path, --draft self-int4 "
+                "or --draft head")
     return args
 
 

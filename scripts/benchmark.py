@@ -342,17 +342,23 @@ def speculative_rows(ladder: Ladder, model: Transformer):
 def drafters(args, target: Transformer) -> dict:
     """generate()'s speculative arguments for each drafter: prompt lookup, the draft head trained for
     the target (--draft_head, or the one beside its checkpoint), and --draft_checkpoint_path's model,
-    compiled."""
+    compiled; with --draft_alternatives, each model drafter also drafting as a tree."""
     found = {"prompt lookup": dict(drafter=speculative.PromptLookup())}
+
+    def model_drafter(name: str, make):  # make(m): the drafter with m alternatives; with --draft_alternatives, both
+        found[name] = dict(drafter=make(0))
+        if args.draft_alternatives:
+            found[f"{name} +{args.draft_alternatives} alt."] = dict(drafter=make(args.draft_alternatives))
+
     head = args.draft_head or gen.find_checkpoint(args.checkpoint_path).parent / speculative.HEAD_NAME
     if args.draft_head or head.is_file():  # scripts/train_draft_head.py writes it there
         draft_head = speculative.load_head(head, target)
         cpu_decode.apply(draft_head)
-        found["draft head"] = dict(drafter=speculative.HeadDrafter(draft_head))
+        model_drafter("draft head", lambda m: speculative.HeadDrafter(draft_head, m))
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
         name = Path(args.draft_checkpoint_path).stem.removeprefix("fastllama_")
-        found[f"draft {name}"] = dict(drafter=speculative.DraftModel(draft_model))
+        model_drafter(f"draft {name}", lambda m: speculative.DraftModel(draft_model, m))
     speculative.compile_steps()
     return found
 
@@ -497,23 +503,29 @@ def speculative_main(args):
 
 
 def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
-    """Median ms of a compiled plain step (one token) and of a compiled verify step (k + 1 tokens), at
-    `depth`, and their ratio: what a speculative round costs beyond its drafts."""
+    """Median ms of a compiled plain step (one token) and of a compiled verify step (k + 1 tokens; with
+    --draft_alternatives m, also of the tree of 1 + k + k * m), at `depth`, and their ratios: what a
+    speculative round costs beyond its drafts."""
+    k, m = args.speculate_k, args.draft_alternatives
     model.setup_caches(1, decode.padded_length(depth + 64, model.config.block_size))
     token = torch.zeros(1, 1, dtype=torch.long, device=args.device)
-    tokens = token.expand(1, args.speculate_k + 1)
-    positions = depth + torch.arange(args.speculate_k + 1, device=args.device)[None]
-    keys = decode.key_positions(model, depth + args.speculate_k + 1)
+    positions = depth + torch.arange(1 + k + k * m, device=args.device)[None]
+    keys = decode.key_positions(model, depth + 1 + k + k * m)
+    tree = speculative.draft_tree(k, m, args.device)
     steps = {"plain": lambda: decode.decode_one_token(model, token, positions[:, :1], keys),
-             "verify": lambda: speculative.target_step(model, tokens, positions, keys)}
+             "verify": lambda: speculative.target_step(model, token.expand(1, k + 1), positions[:, : k + 1], keys)}
+    if m:
+        steps["tree"] = lambda: speculative.target_step(model, token.expand(1, len(tree)), positions, keys, tree)
     ms = {}
     for step, run in steps.items():
         run(), run()  # compiles, the first time
         ms[step] = statistics.median(timed(lambda: [run() for _ in range(20)], args.device)
                                      for _ in range(args.runs)) / 20 * 1e3
-    print(f"{name}: plain step {ms['plain']:.2f} ms, verify step of {args.speculate_k + 1} tokens "
-          f"{ms['verify']:.2f} ms = {ms['verify'] / ms['plain']:.2f}x", flush=True)
-    return dict(verify_cost=name, plain_ms=ms["plain"], verify_ms=ms["verify"], ratio=ms["verify"] / ms["plain"])
+    tree_cost = f", tree of {len(tree)} {ms['tree']:.2f} ms = {ms['tree'] / ms['plain']:.2f}x" if m else ""
+    print(f"{name}: plain step {ms['plain']:.2f} ms, verify step of {k + 1} tokens "
+          f"{ms['verify']:.2f} ms = {ms['verify'] / ms['plain']:.2f}x{tree_cost}", flush=True)
+    return dict(verify_cost=name, plain_ms=ms["plain"], verify_ms=ms["verify"], ratio=ms["verify"] / ms["plain"],
+                **(dict(tree_nodes=len(tree), tree_ms=ms["tree"], tree_ratio=ms["tree"] / ms["plain"]) if m else {}))
 
 
 @torch.no_grad()
@@ -729,6 +741,8 @@ if __name__ == "__main__":
                    help=f"a draft head for the speculative rungs (default: {speculative.HEAD_NAME} beside the "
                         f"checkpoint, if there is one)")
     p.add_argument("--speculate_k", type=int, default=5)
+    p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
+                   help="with --speculative: also each model drafter with M alternatives at each depth (a tree)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -305,8 +305,10 @@ def test_interactive_chat_streams_answers_up_to_their_end():
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_speculative_prints_acceptance():
-    result = subprocess.run([sys.executable, "generate.py", "--draft", "prompt-lookup", "--temperature", "0",
-                             "--max_new_tokens", "16", "--prompt", "Repeat: red green blue red green blue"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "acceptance rate" in result.stderr and "tok/s" in result.stderr
+    for drafter in (["--draft", "prompt-lookup"], ["--draft", "self-int4", "--draft_alternatives", "2"]):
+        result = subprocess.run([sys.executable, "generate.py", *drafter, "--temperature", "0",
+                                 "--max_new_tokens", "16", "--prompt", "Repeat: red green blue red green blue"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert "acceptance rate" in result.stderr and "tok/s" in result.stderr
+        assert ("ending in an alternative" in result.stderr) == ("--draft_alternatives" in drafter)
