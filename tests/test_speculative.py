@@ -205,17 +205,18 @@ def test_sampling_with_alternatives_draws_from_the_target(m):
         assert p_value > 1e-4, (counts.tolist(), expected.tolist())
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_greedy_with_alternatives_is_plain_greedy(m):
+@pytest.mark.parametrize("m, kv_cache_dtype", [(1, None), (3, None), (3, torch.int8)])
+def test_greedy_with_alternatives_is_plain_greedy(m, kv_cache_dtype):
+    """A ragged batch; with an int8 cache, a kept alternative's levels and scales both move."""
     torch.manual_seed(0)
     target = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=256)).eval()
     draft = near_copy(target, 0.6)
     prompts = [torch.randint(0, 64, (n,)) for n in (5, 9, 3)]
-    plain = [o.tolist() for o in generate(target, prompts, 40, temperature=0)]
+    plain = [o.tolist() for o in generate(target, prompts, 40, temperature=0, kv_cache_dtype=kv_cache_dtype)]
     for k in (1, 3, 5):
         stats = {}
         spec = generate(target, prompts, 40, temperature=0, drafter=DraftModel(draft, alternatives=m), speculate_k=k,
-                        stats=stats)
+                        stats=stats, kv_cache_dtype=kv_cache_dtype)
         assert [o.tolist() for o in spec] == plain
         assert stats["alternatives_kept"] > 5, stats
 
