@@ -347,7 +347,8 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             n, next_token, drafts, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys,
                                                    **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
-            alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
+            if room:
+                alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
             drafter.accepted(n, ~done, states)
         # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
         emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
@@ -426,10 +427,12 @@ def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor 
         if draft_probs is None:  # all of the draft's probability on its token
             draft_probs = torch.zeros(B, k, V, device=x.device).scatter_(2, chain[..., None], 1.0)
         n, next_token, node = accept_sampled(target_probs, draft_probs, chain, alternatives)
+    if alternatives is None:
+        return n, next_token, chain, states
     # the kept path through the scored tokens: cur, the kept drafts, and the alternative, if one was kept
     steps = torch.arange(k + 1, device=x.device)
     path = torch.where(steps == n[:, None], node[:, None], steps)  # (B, k + 1)
-    if alternatives is not None and bool((node != n).any()):  # its keys and values go where its position is
+    if bool((node != n).any()):  # its keys and values go where its position is
         rows = torch.arange(B, device=x.device)
         model.move_cache_entries(pos[rows, node], pos[rows, n])
     return n, next_token, x.gather(1, path[:, 1:]), states.gather(1, path[..., None].expand(-1, -1, states.shape[2]))
