@@ -387,8 +387,15 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
         messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows each option's default."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows each option's default where one is set and its help
+    does not already say it (argparse's own formatter adds "(default: None)" to every option)."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in help or not action.option_strings:
+            return help
+        return help + " (default: %(default)s)"
 
 
 def parse_args(argv=None):
@@ -429,7 +436,7 @@ def parse_args(argv=None):
                    help="the KV cache's dtype (default: --precision's); int8 (and fp8 e4m3, on GPUs that have it) "
                         "store half bf16's bytes")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="activations and unquantized weights")
     p.add_argument("--profile", default=None, metavar="TRACE.json",
                    help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
