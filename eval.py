@@ -2,7 +2,7 @@
 
     python eval.py --checkpoint_path checkpoints/X --tasks hellaswag,arc_easy [--limit 100] [--batch_size 8]
     python eval.py --tasks tasks/pydoc_cloze.yaml,tasks/pydoc_complete.yaml   # offline: data in the repo
-    python eval.py --checkpoint_path checkpoints/X/model_int4.g32.safetensors [--text_file notes.txt]  # perplexity
+    python eval.py --checkpoint_path checkpoints/X/fastllama_int4.g32.safetensors [--text_file notes.txt]  # perplexity
 
 Harness tasks go through its Python API (`pip install -e ".[eval]"`): `HarnessModel` is its `LM`
 interface over our Transformer, whatever the checkpoint (quantized, any family, under torchrun with
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from errors import UserError, run_cli
-from decode import key_positions
+from decode import key_positions, prompt_positions
 from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
@@ -51,9 +51,9 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
         raise UserError(f"the text has {len(tokens)} tokens, fewer than one window of {seq_len}")
     windows = tokens[: n_windows * seq_len].view(n_windows, seq_len)
     device = next(model.parameters()).device
-    model.setup_caches(batch_size, seq_len, kv_cache_dtype=kv_cache_dtype)
     total = 0.0
     for batch in tqdm(windows.split(batch_size), desc="perplexity", unit="batch", disable=not progress):
+        model.setup_caches(len(batch), seq_len, kv_cache_dtype=kv_cache_dtype)  # the last batch may be short
         batch = batch.to(device)
         logits = model(batch, torch.arange(seq_len, device=device))  # (B, T, V)
         total += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").item()
@@ -63,12 +63,14 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
 class HarnessModel(HarnessLM):
     """The harness's LM interface over our Transformer: log-likelihoods of continuations, of whole
     texts in rolling windows, and greedy generation up to stop strings. Requests are batched by length
-    (longest first), ragged rows right-padded into the static cache."""
+    (longest first), ragged rows right-padded into the static cache. With chat, the harness renders
+    each context through apply_chat_template first, and a template's rendering brings its own BOS."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str, batch_size: int = 8,
-                 max_length: int | None = None):
+                 max_length: int | None = None, chat: bool = False):
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
+        self.chat = chat
         self.max_length = max_length or model.config.block_size
         # what an empty context is scored after, as the harness's HF backend does
         self.prefix_token_id = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
@@ -108,7 +110,7 @@ class HarnessModel(HarnessLM):
             max_new = int(settings.get("max_gen_toks", 256))
             sampling = dict(temperature=float(settings.get("temperature", 0.0)) if settings.get("do_sample") else 0.0)
             for batch in batched(members, self.batch_size):
-                prompts = [torch.tensor(self.tokenizer.encode_prompt(context)[-(self.max_length - max_new):])
+                prompts = [torch.tensor(self.encode_context(context)[-(self.max_length - max_new):])
                            for _, context in batch]
                 outputs = generate(self.model, prompts, max_new, stop_ids=self.tokenizer.stop_ids, **sampling)
                 for (i, _), prompt, output in zip(batch, prompts, outputs):
@@ -133,9 +135,13 @@ class HarnessModel(HarnessLM):
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tokenizer.encode_prompt(context + continuation)
-        n_context = len(self.tokenizer.encode_prompt(context))
+        whole = self.encode_context(context + continuation)
+        n_context = len(self.encode_context(context))
         return whole[:n_context], whole[n_context:]
+
+    def encode_context(self, text: str) -> list[int]:
+        """Ids of a request's text: as a chat rendering with chat, else as a plain prompt."""
+        return self.tokenizer.encode_rendered(text) if self.chat else self.tokenizer.encode_prompt(text)
 
     @torch.no_grad()
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -204,10 +210,12 @@ class HarnessModel(HarnessLM):
         idx = torch.zeros(len(rows), T, dtype=torch.long)
         for r, row in enumerate(rows):
             idx[r, : len(row)] = torch.tensor(row)
-        columns, lengths = torch.arange(T), torch.tensor([len(row) for row in rows]).unsqueeze(1)
-        wanted = columns == lengths - 1 if last_only else columns < lengths  # (R, T), row by row
+        columns, lengths = torch.arange(T), torch.tensor([len(row) for row in rows])
+        wanted = columns == lengths[:, None] - 1 if last_only else columns < lengths[:, None]  # (R, T), row by row
         device = next(self.model.parameters()).device
-        positions = torch.tensor(starts).unsqueeze(1) + columns  # (R, T)
+        # a shorter row's padding cycles through the chunk after its end, as a prompt's does in prefill,
+        # so that it never overwrites keys the row still needs in a sliding-window ring
+        positions = torch.tensor(starts).unsqueeze(1) + prompt_positions(lengths, T, self.model.chunk)  # (R, T)
         x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, max(starts) + T))
         logprobs = self.model.logits(x[wanted.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
         return list(logprobs.split(wanted.sum(1).tolist()))
@@ -305,7 +313,7 @@ def main(args):
                   f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
         return ppl
     name = str(args.checkpoint_path or "bundled SmolLM2-135M-Instruct")
-    lm = HarnessModel(model, tokenizer, name, args.batch_size, args.max_length)
+    lm = HarnessModel(model, tokenizer, name, args.batch_size, args.max_length, chat=args.apply_chat_template)
     results = evaluate_tasks(lm, args.tasks, args.limit, args.num_fewshot, args.apply_chat_template)
     if rank == 0:
         from lm_eval.utils import make_table

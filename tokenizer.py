@@ -8,7 +8,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from model import UserError
+from errors import UserError
 
 # Llama 3's tokenizer.model is tiktoken BPE ranks without the split pattern or the special tokens,
 # which live in Meta's code; copied from meta-llama/llama-models (the 3.1 names, same ids as 3.0).
@@ -180,7 +180,11 @@ class Tokenizer:
     def encode_dialog(self, messages: list[dict]) -> list[int]:
         """Messages as the chat template lays them out, ending with the assistant's turn opened. Special
         tokens come from the rendered text (a template writes its BOS itself), as in transformers."""
-        text = self.dialog_text(messages)
+        return self.encode_rendered(self.dialog_text(messages))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a dialog_text rendering (or a text that begins with one, such as a harness prompt):
+        a template's rendering holds its BOS already; the hand-written formats' gets one put before it."""
         return self.encode(text) if self.chat_template is not None else self._bos() + self.encode(text)
 
     def dialog_text(self, messages: list[dict]) -> str:

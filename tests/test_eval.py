@@ -13,6 +13,7 @@ import torch
 
 import eval as ev
 from generate import generate, get_tokenizer
+from model import ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 CLOZE = REPO / "tasks" / "pydoc_cloze.yaml"
@@ -59,6 +60,30 @@ def test_a_context_longer_than_the_model_keeps_its_end(harness_model, hf_model):
     for pair, (logprob, _) in zip(pairs, long.loglikelihood(requests(pairs))):
         context, continuation = long.encode_pair(*pair)
         assert logprob == pytest.approx(hf_logprob(hf_model, context, continuation, 24), rel=1e-4, abs=1e-4)
+
+
+@torch.no_grad()
+def test_ragged_requests_of_a_sliding_window_model_score_as_each_alone():
+    """Prefixes whose lengths differ by more than a chunk: the short one's padding must not overwrite
+    the keys its continuation still reads in the sliding-window ring."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=512,
+                                  sliding_window=4)).eval()
+    harness = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=2)
+    ids = torch.randint(2, 64, (320,)).tolist()
+    pairs = [(ids[:300], ids[300:304]), (ids[:10], ids[10:14])]
+    batched = harness.score(pairs)
+    for pair, (logprob, _) in zip(pairs, batched):
+        assert harness.score([pair])[0][0] == pytest.approx(logprob, rel=1e-5, abs=1e-5)
+
+
+@torch.no_grad()
+def test_perplexity_over_windows_that_do_not_fill_the_last_batch():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=64)).eval()
+    tokens = torch.randint(0, 64, (3 * 16,))  # 3 windows of 16 in batches of 2
+    assert ev.perplexity(model, tokens, seq_len=16, batch_size=2) == pytest.approx(
+        ev.perplexity(model, tokens, seq_len=16, batch_size=1), rel=1e-5)
 
 
 def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model):

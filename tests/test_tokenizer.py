@@ -2,6 +2,7 @@ import base64
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydoc_data.topics import topics
@@ -159,6 +160,20 @@ def test_llama2_chat(tmp_path, sentencepiece_model):
     assert ids == tok.encode(render(LLAMA2_TEMPLATE, DIALOG, bos_token="<s>", eos_token="</s>"))
     with pytest.raises(UserError, match="chat template cannot render this dialog: Conversation roles must alternate"):
         tok.encode_dialog(DIALOG[1:])
+
+
+def test_a_harness_chat_context_is_encoded_as_its_dialog(tmp_path, sentencepiece_model):
+    """eval.py with --apply_chat_template: the harness hands over the template's rendering, which holds
+    its BOS already; encoded as a plain prompt, it would get a second one."""
+    import eval as ev
+
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": LLAMA2_TEMPLATE}
+    tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model, tokenizer_config=config))
+    model = SimpleNamespace(config=SimpleNamespace(block_size=256))
+    context, _ = ev.HarnessModel(model, tok, "chat", chat=True).encode_pair(tok.dialog_text(DIALOG), " Sure")
+    assert context == tok.encode_dialog(DIALOG) and context.count(tok.bos_id) == 2  # one a user turn
+    plain, _ = ev.HarnessModel(model, tok, "plain").encode_pair("Hi there", " Sure")
+    assert plain == tok.encode_prompt("Hi there")
 
 
 def test_tiktoken_llama3(tmp_path, tiktoken_model):
