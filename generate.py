@@ -258,11 +258,12 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         decode.compile_steps(dynamic_prefill=args.compile_prefill)
         if drafter is not None:
             speculative.compile_steps()
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    cache = dict(prefill_chunk=args.prefill_chunk,
-                 kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
+    # generate()'s settings beyond the prompt, the same for every sample and every turn of a chat
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, drafter=drafter,
+                   speculate_k=args.speculate_k, prefill_chunk=args.prefill_chunk,
+                   kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
     if args.interactive:
-        return chat(model, tokenizer, args.max_new_tokens, sampling, cache)
+        return chat(model, tokenizer, args.max_new_tokens, options)
 
     use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
@@ -277,9 +278,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         profiling = args.profile and i == args.num_samples - 1
         stats = {}
         with profiler(args.profile) if profiling else contextlib.nullcontext():
-            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, **sampling, stop_ids=stop_ids,
-                               drafter=drafter, speculate_k=args.speculate_k, stats=stats,
-                               **cache)
+            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, stop_ids=stop_ids, stats=stats,
+                               **options)
         synchronize(device)
         seconds = time.perf_counter() - t0
         if i < 0:
@@ -291,15 +291,20 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         new = sum(len(o) - len(prompt) for o in outputs)
         if stats:
             print(speculative.format_stats(stats, args.speculate_k), file=sys.stderr)
+        # a step's weight bytes per token read: not a speculative run's, whose step reads them for several tokens
+        bandwidth = "" if drafter else f"bandwidth {weight_bytes * new / args.batch_size / seconds / 1e9:.2f} GB/s, "
         print(f"Sample {i + 1}: {new} tokens in {seconds:.2f} s, {new / seconds:.2f} tok/s "
-              f"({args.batch_size} rows, {new / args.batch_size:.0f} tokens a row), "
-              f"bandwidth {weight_bytes * new / args.batch_size / seconds / 1e9:.2f} GB/s, "
+              f"({args.batch_size} rows, {new / args.batch_size:.0f} tokens a row), {bandwidth}"
               f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
     return outputs
 
 
 def check_run_args(args, device: str, world_size: int):
     """What can be refused before anything is loaded."""
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device} is not a device PyTorch knows: cpu, cuda or cuda:N, for example")
     if args.compile and device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         raise UserError("--compile on CPU needs a C++ compiler (g++ or clang++) on PATH")
     if args.compile and device.startswith("cuda") and importlib.util.find_spec("triton") is None:
@@ -351,8 +356,8 @@ def profiler(path: str):
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
-def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling: dict, cache: dict):
-    """A multi-turn chat in the model's template, printing tokens as they come."""
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options: dict):
+    """A multi-turn chat in the model's template, printing tokens as they come; options: generate()'s."""
     if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
     messages = []
@@ -370,7 +375,7 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
             raise UserError("the dialog has reached the model's context length")
         # the cache holds the whole context from the first turn, so that compiled decoding never
         # recompiles for a longer one; a step reads only the dialog's slots (decode.key_positions)
-        model.setup_caches(1, model.config.block_size, cache["prefill_chunk"], cache["kv_cache_dtype"])
+        model.setup_caches(1, model.config.block_size, options["prefill_chunk"], options["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -382,7 +387,7 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, sampling
                 print(text[len(printed):], end="", flush=True)
                 printed = text
 
-        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **cache, **sampling)
+        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **options)
         print()
         messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
 
@@ -393,7 +398,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         help = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in help or not action.option_strings:
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if unset or "default" in help or not action.option_strings:
             return help
         return help + " (default: %(default)s)"
 

@@ -304,6 +304,27 @@ def test_interactive_chat_streams_answers_up_to_their_end():
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys):
+    import speculative
+
+    drafters, plain = [], speculative.speculative_generate
+    monkeypatch.setattr(speculative, "speculative_generate",
+                        lambda *args, **kwargs: drafters.append(args[3]) or plain(*args, **kwargs))
+    turns = ["What is the capital of France?"]
+
+    def user(prompt: str) -> str:  # one turn, then the end of the input
+        if not turns:
+            raise EOFError
+        return turns.pop()
+
+    monkeypatch.setattr("builtins.input", user)
+    gen.run(gen.parse_args(["--interactive", "--draft", "prompt-lookup", "--temperature", "0", "--precision", "fp32",
+                            "--max_new_tokens", "16"]))
+    assert len(drafters) == 1 and isinstance(drafters[0], speculative.PromptLookup)
+    assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_speculative_prints_acceptance():
     for drafter in (["--draft", "prompt-lookup"], ["--draft", "self-int4", "--draft_alternatives", "2"]):
         result = subprocess.run([sys.executable, "generate.py", *drafter, "--temperature", "0",
