@@ -372,6 +372,8 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "int4-gguf":
         return import_gguf_int4(checkpoint_path, output)
+    if mode == "int4-gptq" and min(calibration_samples, calibration_seq_len) < 1:
+        raise UserError("GPTQ needs at least one calibration sample of at least one token")
     if mode != "int8" and groupsize not in GROUPSIZES:
         raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
     config = load_config(checkpoint_path)
@@ -467,11 +469,12 @@ class GPTQ:
     def run(self, block: TransformerBlock, layer: int, batch: int = 8) -> Tensor:
         n, T, _ = self.hidden.shape
         c = self.config
-        block.attention.kv_cache = KVCache(batch, T, c.n_local_heads, c.head_dim, torch.float32)
         sliding = c.is_sliding(layer)
         rope, window = self.ropes[sliding], c.sliding_window if sliding else None
         outputs = []
         for x in self.hidden.split(batch):
+            # a cache of the rows at hand: the last part of the samples may be fewer than batch
+            block.attention.kv_cache = KVCache(x.shape[0], T, c.n_local_heads, c.head_dim, torch.float32)
             input_pos = torch.arange(T).expand(x.shape[0], T)  # also the position in each cache slot
             outputs.append(block(x, input_pos, rope[input_pos], attention_mask(input_pos, input_pos, window)))
         return torch.cat(outputs)
@@ -530,7 +533,9 @@ def python_docs_text(part: str) -> str:
     second held out for evaluation, so that a scheme is never scored on the text it was fitted to."""
     from pydoc_data.topics import topics
 
-    names = sorted(topics)
+    names, halves = sorted(topics), ("calibration", "held-out")
+    if part not in halves:
+        raise ValueError(f"part must be one of {halves}, not {part!r}")
     half = names[: len(names) // 2] if part == "calibration" else names[len(names) // 2:]
     return "\n\n".join(topics[name] for name in half)
 

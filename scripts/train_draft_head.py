@@ -58,7 +58,7 @@ def default_text() -> str:
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 if (doc := ast.get_docstring(node)) and len(doc) > 200:  # a line or two teaches little
                     docstrings.append(doc)
-    return "\n\n".join([python_docs_text("calibration"), python_docs_text("evaluation"), *docstrings])
+    return "\n\n".join([python_docs_text("calibration"), python_docs_text("held-out"), *docstrings])
 
 
 # chat prompts for --own_answers: {paragraph} is a paragraph of the text, {word} one of its words
@@ -163,6 +163,9 @@ def train(args) -> list[float]:
     if args.max_windows:  # the text's last windows: its own answers, when there are any
         windows = windows[-args.max_windows:]
     held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
+    if len(windows) - held_out < args.batch_size:
+        raise UserError(f"{len(windows)} windows of {W} tokens leave fewer than --batch_size {args.batch_size} to "
+                        f"train on after {held_out} held out: give more text, or a larger --max_windows")
     vocab_size = min(args.vocab, target.config.vocab_size)
     vocab = ids.bincount(minlength=target.config.vocab_size).topk(vocab_size).indices.sort().values
     print(f"{len(windows)} windows of {W} tokens; the head's vocabulary: the {vocab_size} most frequent tokens, "

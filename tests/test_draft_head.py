@@ -118,6 +118,15 @@ def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, 
     assert "no draft head at" in result.stderr and "train_draft_head.py" in result.stderr
 
 
+def test_too_few_windows_to_train_on_is_one_line(tiny_checkpoint, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(python_docs_text("calibration")[:30000])
+    args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
+                                        "--window", "64", "--max_windows", "8", "--precision", "fp32"])
+    with pytest.raises(UserError, match="8 windows of 64 tokens leave fewer than --batch_size 8 to train on"):
+        train_draft_head.train(args)
+
+
 def test_two_drafters_on_the_command_line_are_refused(capsys):
     from generate import parse_args
 
