@@ -12,6 +12,7 @@ layer type we do not know), and any source tensor that the conversion would leav
 import importlib.util
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,6 +55,10 @@ def config_from_hf(config: dict) -> ModelArgs:
         raise UserError(f"this {name} uses the activation {activation!r}; implemented: {', '.join(ACTIVATIONS)}")
     if config.get("clip_qkv") is not None:
         raise UserError(f"this {name} clips q, k and v (clip_qkv), which is not implemented")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "its own")
+        raise UserError(f"this {name} is stored quantized ({method}): convert its bf16 or fp16 release, then "
+                        f"quantize with quantize.py")
     if config.get("use_bidirectional_attention"):
         raise UserError(f"this {name} attends bidirectionally (an encoder), which is not implemented")
     n_head, dim = config["num_attention_heads"], config["hidden_size"]
@@ -228,6 +233,9 @@ class HFWeights:
             handle = safe_open(str(file), framework="pt")
             for k in handle.keys():
                 meta = handle.get_slice(k)
+                if meta.get_dtype() not in _DTYPES:
+                    raise UserError(f"{file.name} stores {k} as {meta.get_dtype()}, which conversion does not read: "
+                                    f"convert a bf16, fp16 or fp32 release")
                 self.tensors[k] = (tuple(meta.get_shape()), _DTYPES[meta.get_dtype()],
                                    lambda h=handle, k=k: h.get_tensor(k))
         if not files:
@@ -302,7 +310,7 @@ def bundled_gguf() -> Path:
 def bundled_checkpoint() -> Path:
     """The bundled SmolLM2-135M-Instruct in our format, converted from its GGUF file on first use."""
     if not DEFAULT_CHECKPOINT.is_file():
-        print(f"converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT.parent} (once)")
+        print(f"converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT.parent} (once)", file=sys.stderr)
         import_gguf(bundled_gguf(), DEFAULT_CHECKPOINT.parent)
     return DEFAULT_CHECKPOINT
 

@@ -4,7 +4,7 @@ our eager and compiled decoding, quantized (int8, int4, GPTQ), speculative, and 
 tok/s, GB/s of weights read, MBU against the device's measured copy bandwidth, time to first token,
 compile time and peak memory.
 
-    python scripts/benchmark.py --hf-compile --quantized checkpoints/X/model_int8.safetensors checkpoints/X/model_int4.g32.safetensors
+    python scripts/benchmark.py --hf-compile --quantized checkpoints/X/fastllama_int8.safetensors checkpoints/X/fastllama_int4.g32.safetensors
     python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --hf-compile --quantized int8 int4 --json out.json
     python scripts/benchmark.py --llama-bench PATH/llama-bench    # llama.cpp on the bundled GGUF, in the same table
     python scripts/benchmark.py --speculative [--draft_checkpoint_path DRAFT]   # instead: drafters on three prompts

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from checkpoint import CHECKPOINT_NAME, single, write_safetensors
 from convert import convert_hf_checkpoint
@@ -173,6 +174,14 @@ def test_config_errors(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="has no tensor"):
         convert_hf_checkpoint(tmp_path / "hf")
+    config["num_hidden_layers"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(UserError, match=r"stored quantized \(fp8\): convert its bf16"):
+        convert_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    save_file({"scale": torch.zeros(2, dtype=torch.float8_e4m3fn)}, tmp_path / "hf" / "extra.safetensors")
+    with pytest.raises(UserError, match="stores scale as F8_E4M3, which conversion does not read"):
+        convert_hf_checkpoint(tmp_path / "hf")
     with pytest.raises(UserError, match="unknown model name 'Llama-9B'"):
         ModelArgs.from_name("Llama-9B")
 
@@ -189,8 +198,6 @@ def test_known_shapes_build():
 
 
 def test_safetensors_writer_round_trip(tmp_path):
-    from safetensors.torch import load_file
-
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int8), "c": torch.randn(4).bfloat16()}
     entries = [single(k, v.dtype, v.shape, lambda v=v: v) for k, v in tensors.items()]
     write_safetensors(tmp_path / "x.safetensors", entries, {"note": "hi"})
