@@ -64,7 +64,7 @@ def write_safetensors(path: Path, groups: list[Group], metadata: dict[str, str] 
         for specs, make in tqdm(groups, desc=desc, unit="tensor"):
             for (name, dtype, shape), t in zip(specs, make(), strict=True):
                 assert t.dtype == dtype and tuple(t.shape) == shape, (name, t.dtype, t.shape, dtype, shape)
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # from any device
 
     write_atomically(path, write, binary=True)
 
@@ -141,11 +141,16 @@ def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype) -> torch.T
 
 def read_metadata(path: Path) -> dict[str, str]:
     """A safetensors file's metadata, from its header alone ({} where it has none or is unreadable)."""
+    return header_metadata(path) or {}
+
+
+def header_metadata(path: Path) -> dict[str, str] | None:
+    """A safetensors file's metadata ({} where it has none), or None for a file that is not safetensors."""
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
     except Exception:  # safetensors raises its own error types for files that are not safetensors
-        return {}
+        return None
 
 
 def is_ours(path: Path) -> bool:
@@ -177,11 +182,12 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     if checkpoint_path.suffix != ".safetensors":
         raise UserError(f"{checkpoint_path} is not a checkpoint: give the converted checkpoint's directory "
                         f"({checkpoint_path.parent}) or its {CHECKPOINT_NAME}")
-    metadata = read_metadata(checkpoint_path)  # {} for a file that is not safetensors: the reader says why
+    metadata = header_metadata(checkpoint_path)  # None for a file that is not safetensors: the reader says why
+    foreign = metadata is not None and metadata.get("format") != FORMAT  # a Hugging Face file (any metadata or none)
     converted = checkpoint_path.parent / CHECKPOINT_NAME
-    if metadata and metadata.get("format") != FORMAT and converted.is_file():
+    if foreign and converted.is_file():
         return resolve_checkpoint(converted)
-    if metadata and metadata.get("format") != FORMAT:
+    if foreign:
         raise UserError(f"{checkpoint_path} is not in this library's format (a Hugging Face file?): convert its "
                         f"directory with scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_path.parent}")
     return checkpoint_path

@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, resolve_checkpoint
+from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, resolve_checkpoint, single, write_safetensors
 from convert import SUPPORTED, config_from_hf, convert_hf_checkpoint
 from errors import UserError
 from generate import load_model
@@ -132,6 +133,14 @@ def test_unmapped_tensor_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # 4. the source files are only read
+
+
+def test_a_hf_file_without_metadata_is_not_taken_for_ours(tmp_path):
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")  # no __metadata__ at all
+    with pytest.raises(UserError, match="convert its directory"):
+        resolve_checkpoint(tmp_path / "model.safetensors")
+    write_safetensors(tmp_path / CHECKPOINT_NAME, [single("w", torch.float32, (2,), lambda: torch.zeros(2))])
+    assert resolve_checkpoint(tmp_path / "model.safetensors") == tmp_path / CHECKPOINT_NAME
 
 
 def test_conversion_never_touches_source_files(tmp_path):
