@@ -300,7 +300,7 @@ def main(args):
     if args.tasks:  # a missing harness or a bad task file fails before the model loads
         harness()
         task_specs(args.tasks)
-    rank, world = maybe_init_distributed()
+    rank, world = maybe_init_distributed(args.device)
     model = load_model(args.checkpoint_path, args.device, args.precision, rank, world)
     tokenizer = get_tokenizer(args.checkpoint_path)
     if not args.tasks:

@@ -227,7 +227,7 @@ def synchronize(device: str):
 
 
 def main(args) -> list[Tensor] | None:
-    rank, world_size = tp.maybe_init_distributed()
+    rank, world_size = tp.maybe_init_distributed(args.device)
     try:
         return run(args, rank, world_size)
     finally:

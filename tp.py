@@ -27,18 +27,20 @@ from errors import UserError
 from model import Attention, FeedForward, ModelArgs, MoEFeedForward, RMSNorm, Transformer
 
 
-def maybe_init_distributed() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment, with the process group started; (0, 1) alone."""
+def maybe_init_distributed(device: str | None = None) -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment, with the process group started (NCCL for a CUDA
+    device, gloo for the CPU; device None: CUDA when present); (0, 1) alone."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    if on_gpu:
         if world > torch.cuda.device_count():
             raise UserError(f"{world} processes but {torch.cuda.device_count()} GPUs: use --nproc_per_node "
                             f"{torch.cuda.device_count()} or fewer")
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     return rank, world
 
 

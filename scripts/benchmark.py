@@ -396,7 +396,7 @@ def tp_rows(args, world: int) -> dict:
 
 @torch.no_grad()
 def tp_worker(args):
-    rank, world = tp.maybe_init_distributed()
+    rank, world = tp.maybe_init_distributed(args.device)
     torch.manual_seed(0)  # the same random weights and prompt on every rank
     ladder = Ladder(args, ladder_prompt(args)[0])
     ladder.compiled(load(args, rank, world), f", TP {world}", rank, world)
