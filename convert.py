@@ -222,15 +222,26 @@ def expert_names(args: ModelArgs, hf: str, ours: str, available) -> dict[str, li
     return {ours + "router.weight": [moe + "gate.weight"], ours + "w13.weight": w13, ours + "w2.weight": w2}
 
 
+def readable(file: Path, open_file):
+    """open_file(), or one line for a weights file that does not read (a Git LFS pointer, a broken download)."""
+    try:
+        return open_file()
+    except Exception as e:  # safetensors and torch.load raise their own types
+        raise UserError(f"{file} is not a readable weights file ({str(e).splitlines()[0]}): download it again "
+                        f"with scripts/download.py")
+
+
 class HFWeights:
     """Shapes, dtypes and lazy loaders of the tensors in HF safetensors or pytorch_model.bin shards
-    (our own files in the same directory, told by their metadata, are not among them)."""
+    (our own files in the same directory, told by their metadata, are not among them, nor Mistral's
+    consolidated.safetensors, a second copy of the weights in Mistral's own layout)."""
 
     def __init__(self, checkpoint_dir: Path):
         self.tensors = {}  # name -> (shape, dtype, function that reads the tensor)
-        files = sorted(p for p in checkpoint_dir.glob("*.safetensors") if not is_ours(p))
+        files = sorted(p for p in checkpoint_dir.glob("*.safetensors")
+                       if not is_ours(p) and not p.name.startswith("consolidated"))
         for file in files:
-            handle = safe_open(str(file), framework="pt")
+            handle = readable(file, lambda: safe_open(str(file), framework="pt"))
             for k in handle.keys():
                 meta = handle.get_slice(k)
                 if meta.get_dtype() not in _DTYPES:
@@ -241,7 +252,7 @@ class HFWeights:
         if not files:
             for file in sorted(checkpoint_dir.glob("pytorch_model*.bin")):
                 # mmap: a tensor's bytes are read from disk when it is used, not at load
-                shard = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                shard = readable(file, lambda: torch.load(file, map_location="cpu", mmap=True, weights_only=True))
                 self.tensors.update({k: (tuple(t.shape), t.dtype, lambda t=t: t) for k, t in shard.items()})
         if not self.tensors:
             raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {checkpoint_dir}: "

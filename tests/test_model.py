@@ -170,11 +170,9 @@ def test_config_errors(tmp_path):
     hf = tiny_hf_model()
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["num_hidden_layers"] = 4  # more layers than the weights have
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))  # more than it has
     with pytest.raises(UserError, match="has no tensor"):
         convert_hf_checkpoint(tmp_path / "hf")
-    config["num_hidden_layers"] = 2
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(UserError, match=r"stored quantized \(fp8\): convert its bf16"):
         convert_hf_checkpoint(tmp_path / "hf")
@@ -182,6 +180,12 @@ def test_config_errors(tmp_path):
     save_file({"scale": torch.zeros(2, dtype=torch.float8_e4m3fn)}, tmp_path / "hf" / "extra.safetensors")
     with pytest.raises(UserError, match="stores scale as F8_E4M3, which conversion does not read"):
         convert_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "extra.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")  # a pointer
+    with pytest.raises(UserError, match="extra.safetensors is not a readable weights file .*scripts/download.py"):
+        convert_hf_checkpoint(tmp_path / "hf")
+    # Mistral's second copy of the weights, in its own names, is not read as a shard
+    (tmp_path / "hf" / "extra.safetensors").rename(tmp_path / "hf" / "consolidated.safetensors")
+    assert convert_hf_checkpoint(tmp_path / "hf").is_file()
     with pytest.raises(UserError, match="unknown model name 'Llama-9B'"):
         ModelArgs.from_name("Llama-9B")
 
