@@ -42,7 +42,7 @@ import generate as gen
 import quantize
 import speculative
 import tp
-from checkpoint import load_config
+from checkpoint import load_config, write_atomically
 from convert import bundled_gguf, hf_names
 from errors import UserError, run_cli
 from model import ModelArgs, MoEFeedForward, Transformer
@@ -238,7 +238,7 @@ def ladder_prompt(args) -> tuple[Tensor, str]:
         return torch.randint(0, vocab, (args.prompt_length,), device=args.device), "random tokens"
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
     text = SPECULATIVE_PROMPTS["extract"]
-    return torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device), "extract"
+    return torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device), "extract"
 
 
 class Ladder:
@@ -472,7 +472,7 @@ def speculative_main(args):
     print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
     for temperature in args.temperatures:
         for name, text in SPECULATIVE_PROMPTS.items():
-            prompt = torch.tensor(tokenizer.encode_prompt(text, chat=True), device=args.device)
+            prompt = torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device)
 
             def run(**kw):
                 torch.manual_seed(0)
@@ -538,6 +538,9 @@ def depths_main(args):
     torch.manual_seed(0)
     model = load(args)
     depths, n = sorted(args.depths), args.max_new_tokens
+    if depths[-1] + n > model.config.block_size:
+        raise UserError(f"depth {depths[-1]} and {n} new tokens exceed the model's context of {model.config.block_size}: "
+                        f"ask for shallower --depths or fewer --max_new_tokens")
     decode.compile_steps(dynamic_prefill=True)
     models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
@@ -635,9 +638,11 @@ def harness_main(args):
     (default: the repo's multiple-choice task) on the same weights, side by side, and their accuracy:
     the time of the loglikelihood call, and of the whole harness run (datasets, prompts, metrics)."""
     import transformers
-    from lm_eval.models.huggingface import HFLM
 
     import eval as ev
+
+    ev.harness()  # lm_eval in a tested version, or one line that says what to install
+    from lm_eval.models.huggingface import HFLM
 
     checkpoint = gen.find_checkpoint(args.checkpoint_path)
     model = gen.load_model(checkpoint, args.device, args.precision)
@@ -684,8 +689,7 @@ def write_json(args, **results):
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
                   **results, args=vars(args))
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
+    write_atomically(Path(args.json), lambda f: json.dump(record, f, indent=2, default=str))  # paths as text
 
 
 def cpu_name() -> str:
@@ -753,11 +757,14 @@ if __name__ == "__main__":
         p.error("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
     if args.llama_bench and not shutil.which(args.llama_bench):
         p.error(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
-    if not args.no_hf:
+    # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
+    if args.harness or not (args.no_hf or args.speculative or args.depths is not None):
         try:
             import transformers  # noqa: F401 (checked before minutes of measuring)
         except ImportError:
-            p.error("the HF rungs need transformers: pip install -e '.[bench]', or pass --no-hf")
+            p.error("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
+    if args.max_new_tokens < 2 or args.runs < 1:
+        p.error("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
     if any(n < 2 for n in args.tp or []):

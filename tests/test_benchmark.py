@@ -134,6 +134,8 @@ def test_depths_run_end_to_end(tmp_path):
     ([], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
     (["--no-hf", "--device", "cuda"], "no CUDA device"),
     (["--no-hf", "--tp", "1"], "--tp takes world sizes of 2 or more"),  # it used to relaunch itself forever
+    (["--no-hf", "--max_new_tokens", "1"], "--max_new_tokens must be 2 or more"),
+    (["--depths", "8100"], "depth 8100 and 128 new tokens exceed the model's context of 8192"),  # needs no HF
 ])
 def test_bad_setups_are_one_line_before_measuring(tmp_path, argv, message):
     if "cuda" in argv and torch.cuda.is_available():
