@@ -86,7 +86,8 @@ def write_atomically(path: Path, write: Callable, binary: bool = False):
 
 
 def write_json(path: Path, obj: dict):
-    write_atomically(path, lambda f: json.dump(obj, f, indent=2))
+    """obj as JSON, written whole or not at all; values JSON has no type for (paths) as their text."""
+    write_atomically(path, lambda f: json.dump(obj, f, indent=2, default=str))
 
 
 def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None

@@ -42,7 +42,7 @@ import generate as gen
 import quantize
 import speculative
 import tp
-from checkpoint import load_config, write_atomically
+from checkpoint import load_config, write_json
 from convert import bundled_gguf, hf_names
 from errors import UserError, run_cli
 from model import ModelArgs, MoEFeedForward, Transformer
@@ -309,7 +309,7 @@ def main(args):
           f"peak memory {peak:.2f} GB")
     print_table(rows, bandwidth, floor)
     if args.json:
-        write_json(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
+        write_record(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
                    peak_memory_gb=peak, rows=rows)
 
 
@@ -401,7 +401,7 @@ def tp_worker(args):
     ladder = Ladder(args, ladder_prompt(args)[0])
     ladder.compiled(load(args, rank, world), f", TP {world}", rank, world)
     if rank == 0:
-        write_json(args, rows=ladder.rows)
+        write_record(args, rows=ladder.rows)
     torch.distributed.destroy_process_group()
 
 
@@ -499,7 +499,7 @@ def speculative_main(args):
                 rows.append(dict(prompt=name, temperature=temperature, drafter=drafter, plain_tok_s=n / plain,
                                  speculative_tok_s=n / spec, speedup=speedup, **stats))
     if args.json:
-        write_json(args, rows=rows)
+        write_record(args, rows=rows)
 
 
 def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
@@ -582,7 +582,7 @@ def depths_main(args):
               + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
         rows.append(row)
     if args.json:
-        write_json(args, depths=depths, rows=rows)
+        write_record(args, depths=depths, rows=rows)
 
 
 def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
@@ -667,7 +667,7 @@ def harness_main(args):
     speedup = rows["ours (eval.py)"]["requests_per_s"] / rows["harness HF backend"]["requests_per_s"]
     print(f"ours / the harness's HF backend: {speedup:.2f}x")
     if args.json:
-        write_json(args, rows=rows, speedup=speedup)
+        write_record(args, rows=rows, speedup=speedup)
 
 
 def timed_requests(lm, device: str) -> list[tuple[int, float]]:
@@ -684,12 +684,13 @@ def timed_requests(lm, device: str) -> list[tuple[int, float]]:
     return calls
 
 
-def write_json(args, **results):
+def write_record(args, **results):
+    """The run's results, with when, how and where it ran, to --json."""
     record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
                   **results, args=vars(args))
-    write_atomically(Path(args.json), lambda f: json.dump(record, f, indent=2, default=str))  # paths as text
+    write_json(Path(args.json), record)
 
 
 def cpu_name() -> str:
