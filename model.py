@@ -159,6 +159,7 @@ class Transformer(nn.Module):
         self.max_seq_length = -1
         self.chunk = -1
         self.kv_cache_dtype = None
+        self.made_for = None
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, chunk: int = PREFILL_CHUNK,
                      kv_cache_dtype: torch.dtype | None = None):
@@ -175,14 +176,18 @@ class Transformer(nn.Module):
         if max_seq_length > self.config.block_size:
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
-        settings = (max_batch_size, chunk, kv_cache_dtype)
-        if settings == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and max_seq_length <= self.max_seq_length:
-            return  # big enough; stale entries are masked by position, so the cache needs no clearing
-        self.max_batch_size, self.chunk, self.kv_cache_dtype = settings
-        self.max_seq_length = max_seq_length
         c = self.config
         weight = self.output.weight
         dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
+        settings = (max_batch_size, chunk, kv_cache_dtype)
+        # what else the caches and tables were made for: the model's dtype (it may change by .to()),
+        # inference tensors or not (no_grad code cannot write into those), Phi-3's RoPE factors
+        made_for = (dtype, torch.is_inference_mode_enabled(), long_rope_factors(c.rope_scaling, max_seq_length))
+        if (settings == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and made_for == self.made_for
+                and max_seq_length <= self.max_seq_length):
+            return  # big enough; stale entries are masked by position, so the cache needs no clearing
+        self.max_batch_size, self.chunk, self.kv_cache_dtype = settings
+        self.max_seq_length, self.made_for = max_seq_length, made_for
         ring = min(max_seq_length, c.sliding_window + chunk) if c.sliding_window else max_seq_length
         # A full cache has one slot more than it is asked for, never written: a read of the first n
         # slots (decode.key_positions) is then never the whole tensor, or compiled code, seeing the
@@ -277,7 +282,10 @@ class Transformer(nn.Module):
 
 
 def check_kv_cache_dtype(dtype: torch.dtype | None, device: torch.device):
-    """fp8 needs a GPU that has it; every other format runs anywhere."""
+    """fp32, fp16, bf16 or a scaled format (SCALED_KV_MAX); fp8 needs a GPU that has it."""
+    if dtype not in (None, torch.float32, torch.float16, torch.bfloat16, *SCALED_KV_MAX):
+        raise UserError(f"a KV cache of {dtype} is not supported: use torch.bfloat16, torch.float16, torch.float32, "
+                        "torch.int8 or torch.float8_e4m3fn")
     has_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if dtype == torch.float8_e4m3fn and not has_fp8:
         raise UserError("an fp8 KV cache needs a GPU with fp8 (compute capability 8.9 or newer: Ada, Hopper, "
@@ -508,13 +516,20 @@ def rope_cache(seq_len: int, dim: int, base: float, scaling: dict | None = None,
         inv_freq = llama3_scale_frequencies(inv_freq, scaling)
     elif rope_type == "linear":  # positions slowed down by `factor`
         inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "longrope":  # Phi-3: per-frequency factors, one set below the original context, one beyond
-        short, long = (torch.tensor(scaling[k], device=device) for k in ("short_factor", "long_factor"))
-        inv_freq = inv_freq / torch.where(positions < scaling["original_max_position_embeddings"], short, long)
+    elif rope_type == "longrope":  # Phi-3: per-frequency factors, one set for the original context, one beyond
+        factors = "long_factor" if long_rope_factors(scaling, seq_len) else "short_factor"
+        inv_freq = inv_freq / torch.tensor(scaling[factors], device=device)
         magnitude = scaling["attention_factor"]
     angles = positions * inv_freq  # (seq_len, dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: the two halves share frequencies
     return torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
+
+
+def long_rope_factors(scaling: dict | None, seq_len: int) -> bool:
+    """Whether Phi-3's longrope takes its long factors, at every position: when the cache reaches past
+    the original context (as llama.cpp chooses by its context; HF's forward over a text that long uses
+    them at every position too). One set for the whole cache, so that keys and queries agree."""
+    return (scaling or {}).get("rope_type") == "longrope" and seq_len > scaling["original_max_position_embeddings"]
 
 
 def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:

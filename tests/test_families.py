@@ -133,7 +133,23 @@ def test_logits_match_hf_over_prefill_and_60_decode_steps(family):
     logits = [model(text[None, :40], torch.arange(40))[0]]
     for t in range(40, 100):  # the sliding layers' rings wrap: depths far past the window
         logits.append(model(text[None, t: t + 1], torch.tensor([t]))[0])
-    assert relative_error(torch.cat(logits), hf_steps(hf, text[:40], text[40:])) <= 1e-4
+    # Phi-3's longrope: HF's cache path switches to the long factors at the crossing of the original
+    # context, leaving the keys before it on the short ones; its forward over the whole text takes the
+    # long ones everywhere, as ours does for a cache past the original context
+    reference = hf(text[None]).logits[0] if name == "phi3" else hf_steps(hf, text[:40], text[40:])
+    assert relative_error(torch.cat(logits), reference) <= 1e-4
+
+
+@torch.no_grad()
+def test_longrope_takes_one_set_of_factors_for_the_whole_cache(tmp_path):
+    """A cache within Phi-3's original context (64 here) takes the short factors at every position, a
+    cache past it the long ones, as HF's forward over a text of that length does."""
+    hf = build("phi3", tmp_path)
+    model = load_model(convert_hf_checkpoint(tmp_path), "cpu", "fp32")
+    for length, cache in ((60, 64), (100, 128)):
+        text = ids(length, seed=8)
+        model.setup_caches(1, cache, chunk=CHUNK)
+        assert relative_error(model(text[None], torch.arange(length))[0], hf(text[None]).logits[0]) <= 1e-4
 
 
 def test_greedy_matches_hf_and_a_ragged_batch_matches_each_alone(family):

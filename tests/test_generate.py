@@ -13,6 +13,7 @@ from checkpoint import CONFIG_NAME
 from decode import logits_to_probs, sample
 from errors import UserError, run_cli
 from generate import generate, get_tokenizer, load_model
+from model import ModelArgs, Transformer
 
 PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time, in a small village by the sea,"]
 
@@ -199,13 +200,27 @@ def test_generate_rejects_bad_arguments(model_fp32):
     prompt = torch.tensor([1, 2, 3])
     for kwargs, message in [(dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
                             (dict(top_k=0), "top_k"), (dict(prefill_chunk=0), "prefill chunk must be at least 1"),
-                            (dict(kv_cache_dtype=torch.float8_e4m3fn), "fp8 KV cache needs a GPU")]:
+                            (dict(kv_cache_dtype=torch.float8_e4m3fn), "fp8 KV cache needs a GPU"),
+                            (dict(kv_cache_dtype=torch.int16), "KV cache of torch.int16 is not supported")]:
         with pytest.raises(UserError, match=message):
             generate(model_fp32, prompt, 4, **kwargs)
     with pytest.raises(UserError, match="non-empty"):
         generate(model_fp32, torch.tensor([], dtype=torch.long), 4)
     with pytest.raises(UserError, match="context length"):
         generate(model_fp32, prompt, model_fp32.config.block_size)
+
+
+def test_caches_are_made_anew_for_a_new_dtype_or_outside_inference_mode():
+    """Caches kept from an earlier call are not reused when the model's dtype changed since (model.to)
+    or when they were made under torch.inference_mode (inference tensors no later call may write)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=256)).eval()
+    prompt = torch.randint(0, 64, (10,))
+    with torch.inference_mode():
+        first = generate(model, prompt, 5, temperature=0)
+    assert generate(model, prompt, 5, temperature=0).tolist() == first.tolist()
+    model.to(torch.bfloat16)
+    assert len(generate(model, prompt, 5, temperature=0)) == 15
 
 
 # ---------------------------------------------------------------------------------------------
