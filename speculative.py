@@ -273,6 +273,9 @@ def with_alternatives(choice: Tensor, scores: Tensor, m: int) -> Tensor:
     """The chosen token (B, 1) followed by the m best others by scores (B, V): (B, 1 + m)."""
     if m == 0:
         return choice
+    if m >= scores.shape[-1]:
+        raise UserError(f"{m} alternatives at each depth need a drafter of more than {m} tokens; this one has "
+                        f"{scores.shape[-1]}: lower --draft_alternatives")
     top = scores.topk(m + 1, dim=-1).indices  # (B, m + 1): holds the choice, or m + 1 others
     first_others = (top != choice).long().argsort(dim=1, descending=True, stable=True)[:, :m]
     return torch.cat([choice, top.gather(1, first_others)], dim=1)
@@ -301,7 +304,8 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                         "layers: draft without alternatives")
     if room and T + max_new_tokens + room > model.config.block_size:
         raise UserError(f"drafting with alternatives (a tree) needs {room} positions of room past the prompt and "
-                        f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens")
+                        f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens, "
+                        "speculate_k or the alternatives")
     cache_length = decode.padded_length(T + max_new_tokens + room, model.config.block_size)
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")

@@ -36,7 +36,11 @@ def _import(module: str):
 
 class _HFTokenizers:
     def __init__(self, path: Path):
-        self.tok = _import("tokenizers").Tokenizer.from_file(str(path))
+        tokenizers = _import("tokenizers")
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+            raise UserError(f"{path} does not read as a tokenizer ({e}): download it again") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         # tokenizer.json's post-processor says whether (and which) BOS the model expects.
         with_special = self.tok.encode("a", add_special_tokens=True).ids
@@ -91,6 +95,8 @@ class _Tiktoken:
         try:
             ranks = _import("tiktoken.load").load_tiktoken_bpe(str(path))
         except ValueError:
+            ranks = None
+        if not ranks:
             raise UserError(f"{path} is neither a SentencePiece model nor tiktoken BPE ranks") from None
         self.num_base_tokens = len(ranks)
         self.special_tokens = {token: self.num_base_tokens + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
@@ -207,7 +213,10 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): download it again") from None
 
 
 def _token_id(backend, token: str | dict | None) -> int | None:

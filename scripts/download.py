@@ -12,6 +12,8 @@ from pathlib import Path
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
+from errors import run_cli
+
 CONFIG_FILES = {
     "config.json",
     "generation_config.json",
@@ -85,4 +87,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, None)  # Ctrl-C: exit code 130, no traceback

@@ -121,6 +121,8 @@ def test_lengths_up_to_the_context_run_speculatively(max_new_tokens):
         else:
             with pytest.raises(UserError, match="positions of room"):
                 generate(target, prompt, max_new_tokens, drafter=tree, speculate_k=k)
+    with pytest.raises(UserError, match="lower --draft_alternatives"):  # as many alternatives as tokens
+        generate(target, prompt[:20], 4, drafter=DraftModel(draft, alternatives=64), speculate_k=1)
 
 
 # ---------------------------------------------------------------------------------------------

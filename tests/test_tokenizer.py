@@ -295,10 +295,27 @@ def test_missing_tokenizer(tmp_path):
     assert str(tmp_path) in str(error.value) and "scripts/download.py" in str(error.value)
 
 
-def test_unreadable_tokenizer_model(tmp_path):
-    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x03not a model\nnor base64 ranks\n")
+@pytest.mark.parametrize("content", [b"\x0a\x03not a model\nnor base64 ranks\n", b""])
+def test_unreadable_tokenizer_model(tmp_path, content):
+    (tmp_path / "tokenizer.model").write_bytes(content)
     with pytest.raises(UserError, match="neither a SentencePiece model nor tiktoken"):
         load_tokenizer(tmp_path)
+
+
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n"
+
+
+def test_unreadable_tokenizer_json_or_config_is_one_line(tmp_path, hf_tokenizer_json):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text(LFS_POINTER)
+    with pytest.raises(UserError, match="does not read as a tokenizer"):
+        load_tokenizer(tmp_path)
+    path = checkpoint(tmp_path / "config", hf_tokenizer_json)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        (path / name).write_text('{"eos_token": ')
+        with pytest.raises(UserError, match=f"{name} is not valid JSON"):
+            load_tokenizer(path)
+        (path / name).unlink()
 
 
 @pytest.mark.parametrize("module, fixture", [
