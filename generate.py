@@ -263,7 +263,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
                    speculate_k=args.speculate_k, prefill_chunk=args.prefill_chunk,
                    kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
     if args.interactive:
-        return chat(model, tokenizer, args.max_new_tokens, options)
+        context = model.config.block_size if args.context is None else args.context
+        return chat(model, tokenizer, args.max_new_tokens, options, context)
 
     use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
@@ -356,10 +357,14 @@ def profiler(path: str):
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
-def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options: dict):
-    """A multi-turn chat in the model's template, printing tokens as they come; options: generate()'s."""
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options: dict, context: int):
+    """A multi-turn chat in the model's template, printing tokens as they come; options: generate()'s.
+    The dialog may reach `context` positions, for which the KV cache is made once."""
     if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
+    if not 1 <= context <= model.config.block_size:
+        raise UserError(f"--context must be between 1 and the model's context length {model.config.block_size}, "
+                        f"got {context}")
     messages = []
     while True:
         try:
@@ -370,12 +375,12 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
             continue
         messages.append({"role": "user", "content": user})
         prompt = torch.tensor(tokenizer.encode_dialog(messages), dtype=torch.long)
-        budget = min(max_new_tokens, model.config.block_size - len(prompt))
+        budget = min(max_new_tokens, context - len(prompt))
         if budget < 1:
-            raise UserError("the dialog has reached the model's context length")
+            raise UserError(f"the dialog has reached its context of {context} positions (--context)")
         # the cache holds the whole context from the first turn, so that compiled decoding never
         # recompiles for a longer one; a step reads only the dialog's slots (decode.key_positions)
-        model.setup_caches(1, model.config.block_size, options["prefill_chunk"], options["kv_cache_dtype"])
+        model.setup_caches(1, context, options["prefill_chunk"], options["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -413,6 +418,9 @@ def parse_args(argv=None):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat, streaming the answers")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="--interactive: the most positions a dialog may reach, its KV cache made for them once "
+                        "(default: the model's context length; lower it where that cache does not fit)")
     p.add_argument("--num_samples", type=int, default=1, help="times to generate, each timed")
     p.add_argument("--batch_size", type=int, default=1, help="rows decoded together, each from the prompt")
     p.add_argument("--max_new_tokens", type=int, default=200, help="at most this many new tokens a row")

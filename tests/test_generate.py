@@ -340,6 +340,14 @@ def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
+    monkeypatch.setattr("builtins.input", lambda prompt: "What is the capital of France?")
+    for context, message in (("0", "--context must be between 1"), ("20", "reached its context of 20 positions")):
+        with pytest.raises(UserError, match=message):
+            gen.run(gen.parse_args(["--interactive", "--context", context, "--precision", "fp32"]))
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_cli_speculative_prints_acceptance():
     for drafter in (["--draft", "prompt-lookup"], ["--draft", "self-int4", "--draft_alternatives", "2"]):
         result = subprocess.run([sys.executable, "generate.py", *drafter, "--temperature", "0",
