@@ -95,9 +95,9 @@ class _Tiktoken:
         try:
             ranks = _import("tiktoken.load").load_tiktoken_bpe(str(path))
         except ValueError:
-            ranks = None
-        if not ranks:
-            raise UserError(f"{path} is neither a SentencePiece model nor tiktoken BPE ranks") from None
+            ranks = {}
+        if not ranks:  # not base64 ranks, or none at all (an empty file)
+            raise UserError(f"{path} is neither a SentencePiece model nor tiktoken BPE ranks")
         self.num_base_tokens = len(ranks)
         self.special_tokens = {token: self.num_base_tokens + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
         self.enc = tiktoken.Encoding(path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
