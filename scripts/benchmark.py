@@ -36,16 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import cpu_decode
-import decode
-import generate as gen
-import quantize
-import speculative
-import tp
-from checkpoint import load_config, write_json
-from convert import bundled_gguf, hf_names
-from errors import UserError, run_cli
-from model import ModelArgs, MoEFeedForward, Transformer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+import cpu_decode  # noqa: E402
+import decode  # noqa: E402
+import generate as gen  # noqa: E402
+import quantize  # noqa: E402
+import speculative  # noqa: E402
+import tp  # noqa: E402
+from checkpoint import load_config, write_json  # noqa: E402
+from convert import bundled_gguf, hf_names  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
+from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
 
 
 def timed(fn, device) -> float:

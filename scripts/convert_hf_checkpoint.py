@@ -8,10 +8,13 @@ The Hugging Face files are only read.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
-from convert import convert_hf_checkpoint
-from errors import run_cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+from convert import convert_hf_checkpoint  # noqa: E402
+from errors import run_cli  # noqa: E402
 
 
 def main(args):

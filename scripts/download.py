@@ -12,7 +12,9 @@ from pathlib import Path
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-from errors import run_cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+from errors import run_cli  # noqa: E402
 
 CONFIG_FILES = {
     "config.json",
