@@ -264,9 +264,8 @@ class HeadDrafter(Drafter):
 
 def head_step(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor, pos: Tensor, keys: Tensor,
               last: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """DraftHead.forward, cloned: CUDA graphs reuse their output buffers."""
-    logits, state = head(target, tokens, states, pos, keys, last)
-    return logits.clone(), state.clone()
+    """DraftHead.forward, as a function compile_steps() compiles."""
+    return head(target, tokens, states, pos, keys, last)
 
 
 def with_alternatives(choice: Tensor, scores: Tensor, m: int) -> Tensor:
@@ -379,7 +378,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
 
 def draft_step(drafter: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
     """x: (B, T) at positions pos (B, T) -> the drafter's logits for the next token (B, V)."""
-    return drafter(x, pos, key_positions=keys)[:, -1].clone()  # clone: CUDA graphs reuse their output buffers
+    return drafter(x, pos, key_positions=keys)[:, -1]
 
 
 def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, min_ngram: int = 2
@@ -459,7 +458,7 @@ def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, tree: 
                 ) -> tuple[Tensor, Tensor]:
     """The target's logits (B, T, V) and last-layer states (B, T, dim) for x (B, T) at pos (B, T)."""
     states = model.hidden_states(x, pos, keys, tree)
-    return model.logits(states).clone(), states.clone()  # clone: CUDA graphs reuse their output buffers
+    return model.logits(states), states
 
 
 def accept_greedy(logits: Tensor, drafts: Tensor, alternatives: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -525,12 +524,23 @@ def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor, al
 
 
 def compile_steps():
-    """Compile the draft model's step and the target's verify step, each with fixed shapes (CUDA
-    graphs on GPU)."""
+    """Compile the draft model's step, the head's and the target's verify step, each with fixed shapes
+    (CUDA graphs on GPU)."""
     global draft_step, target_step, head_step
-    draft_step = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    head_step = torch.compile(head_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    target_step = torch.compile(target_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    draft_step, head_step, target_step = (copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True,
+                                                                   dynamic=False))
+                                          for step in (draft_step, head_step, target_step))
+
+
+def copied_out(step):
+    """step, its outputs copied: a CUDA graph's outputs live in memory that its next replay, or another
+    graph's, may overwrite, and a head's state or a verify step's states outlive the next call (a clone
+    inside the compiled function would live there too)."""
+    @functools.wraps(step)
+    def copied(*args, **kwargs):
+        out = step(*args, **kwargs)
+        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
+    return copied
 
 
 def acceptance_rate(stats: dict, k: int) -> float:

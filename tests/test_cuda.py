@@ -80,13 +80,14 @@ def test_compiled_decode_uses_cuda_graphs_without_recompiling_or_syncing():
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     for e, c in zip(eager, compiled):  # bf16: compiled code rounds differently, so a near-tie may part them
         assert (e == c).float().mean() > 0.8
-    # a replayed step makes no host sync
-    token, pos = compiled[0][-1:].view(1, 1), torch.tensor([[40]], device="cuda")
-    keys = decode.key_positions(model, 41)
-    decode.decode_one_token(model, token, pos, keys)
+    # a replayed step makes no host sync (called as generate() calls it: other arguments would recompile)
+    token, pos = compiled[0][-1:].view(1, 1).cuda(), torch.tensor([[40]], device="cuda")
+    keys, sampling = decode.key_positions(model, 41), dict(temperature=0, top_k=None, top_p=None)
+    for _ in range(2):
+        decode.decode_one_token(model, token, pos, keys, **sampling)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        decode.decode_one_token(model, token, pos, keys)
+        decode.decode_one_token(model, token, pos, keys, **sampling)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -170,8 +171,11 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens():
     decode.compile_steps()
     speculative.compile_steps()
     self_int4 = quantized(random_model(torch.bfloat16), "int4")  # the target's weights in int4 draft for it
+    torch.manual_seed(2)  # a head, whose state and the verify step's states outlive the graph call that made them
+    head = speculative.DraftHead(speculative.DraftHead.config_for(target.config, 512), torch.arange(512)).cuda().eval()
     for drafter in (speculative.PromptLookup(), speculative.DraftModel(draft), speculative.DraftModel(self_int4),
-                    speculative.DraftModel(draft, alternatives=2)):  # a tree: its mask and moves under CUDA graphs
+                    speculative.DraftModel(draft, alternatives=2),  # a tree: its mask and moves under CUDA graphs
+                    speculative.HeadDrafter(head), speculative.HeadDrafter(head, alternatives=2)):
         for out, ref in zip(generate(target, batch, 24, temperature=0, drafter=drafter, speculate_k=4), plain):
             assert torch.equal(out, ref), type(drafter).__name__
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
@@ -194,7 +198,7 @@ def test_scaled_kv_caches_stay_near_the_bf16_one(kv_cache_dtype):
     assert ((logits[kv_cache_dtype] - reference).abs().max() / reference.abs().max()).item() <= 0.05
     decode.compile_steps()
     model.setup_caches(1, 512, kv_cache_dtype=kv_cache_dtype)
-    generate(model, prompts([40])[0], 16, temperature=0)  # the compiled step reads the scaled cache
+    generate(model, prompts([40])[0], 16, temperature=0, kv_cache_dtype=kv_cache_dtype)  # compiled, on the scaled cache
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
