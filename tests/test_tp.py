@@ -86,6 +86,15 @@ def test_a_world_size_that_does_not_split_stops_every_rank_with_one_line():
                      "sizes that work: [1, 3]"], run.stderr[-3000:]
 
 
+def test_a_gpu_index_under_torchrun_is_refused(monkeypatch):
+    """Each rank takes the GPU of its LOCAL_RANK: --device cuda:1 would put every rank on one GPU."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(UserError, match="leave out --device or pass --device cuda"):
+        tp.maybe_init_distributed("cuda:1")
+
+
 def test_sizes_that_do_not_split_are_refused():
     config = ModelArgs.from_name("SmolLM2-135M")
     with pytest.raises(UserError, match=r"world sizes that work: \[1, 3\]"):
