@@ -470,16 +470,17 @@ def speculative_main(args):
             [(args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
-          f"of each run's ratio to the plain run beside it)")
-    print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7}  acceptance")
+          f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
+    print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'decode':>6}  "
+          f"acceptance")
     for temperature in args.temperatures:
         for name, text in SPECULATIVE_PROMPTS.items():
             prompt = torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device)
 
-            def run(**kw):
+            def run(new_tokens=args.max_new_tokens, **kw):
                 torch.manual_seed(0)
-                return gen.generate(model, prompt, args.max_new_tokens, temperature=temperature,
-                                    speculate_k=args.speculate_k, **kw)
+                return gen.generate(model, prompt, new_tokens, temperature=temperature, speculate_k=args.speculate_k,
+                                    **kw)
 
             ways = {"plain": {}, **drafts}
             for kwargs in ways.values():
@@ -487,19 +488,24 @@ def speculative_main(args):
             # run by run, every way in turn: a shared machine's speed drifts between runs by more than
             # some drafters change it, and each run's ratio to the plain run beside it cancels the drift
             seconds = {way: [] for way in ways}
+            prefill = []  # the prompt's prefill and first token, which every way spends before it decodes
             for _ in range(args.runs):
+                prefill.append(timed(lambda: run(new_tokens=1), args.device))
                 for way, kwargs in ways.items():
                     seconds[way].append(timed(lambda: run(**kwargs), args.device))
             n, plain = args.max_new_tokens, statistics.median(seconds["plain"])
             for drafter, kwargs in drafts.items():
                 spec = statistics.median(seconds[drafter])
                 speedup = statistics.median(p / s for p, s in zip(seconds["plain"], seconds[drafter]))
+                decode_speedup = statistics.median((p - f) / (s - f) for p, s, f in
+                                                   zip(seconds["plain"], seconds[drafter], prefill))
                 stats = {}
                 run(**kwargs, stats=stats)
-                print(f"{name:12} {temperature:3} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {speedup:7.2f}  "
-                      f"{speculative.format_stats(stats, args.speculate_k)}")
+                print(f"{name:12} {temperature:3} {drafter:16} {n / plain:11.1f} {n / spec:10.1f} {speedup:7.2f} "
+                      f"{decode_speedup:6.2f}  {speculative.format_stats(stats, args.speculate_k)}")
                 rows.append(dict(prompt=name, temperature=temperature, drafter=drafter, plain_tok_s=n / plain,
-                                 speculative_tok_s=n / spec, speedup=speedup, **stats))
+                                 speculative_tok_s=n / spec, speedup=speedup, decode_speedup=decode_speedup,
+                                 prefill_s=statistics.median(prefill), **stats))
     if args.json:
         write_record(args, rows=rows)
 

@@ -130,6 +130,21 @@ def test_depths_run_end_to_end(tmp_path):
     assert "int4 g32 (in memory)" in run.stdout
 
 
+def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
+    """--speculative: verify steps' cost, then plain decoding against each drafter on the three prompts,
+    end to end and past the prefill (eager, as above)."""
+    env = eager_everywhere(tmp_path)
+    out = tmp_path / "speculative.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--speculative", "--runs", "1", "--max_new_tokens",
+                          "16", "--temperatures", "0", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    lookup = [row for row in rows if row.get("drafter") == "prompt lookup"]
+    assert [row["prompt"] for row in lookup] == ["open-ended", "extract", "code-edit"]
+    assert all(row["speedup"] > 0 and row["decode_speedup"] > 0 and row["prefill_s"] > 0 for row in lookup)
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
     (["--no-hf", "--device", "cuda"], "no CUDA device"),
