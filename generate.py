@@ -317,6 +317,9 @@ def check_run_args(args, device: str, world_size: int):
         check_kv_cache_dtype(KV_CACHE_DTYPES[args.kv_cache_dtype], torch.device(device))
     if args.batch_size < 1 or args.num_samples < 1:
         raise UserError("--batch_size and --num_samples must be at least 1")
+    if args.context is not None and not args.interactive:
+        raise UserError("--context sizes the cache of --interactive; elsewhere the cache holds the prompt and "
+                        "--max_new_tokens")
     if args.interactive and world_size > 1:
         raise UserError("--interactive reads the terminal from one process: run it without torchrun")
     if not args.interactive and not args.prompt:

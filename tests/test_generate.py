@@ -345,6 +345,8 @@ def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
     for context, message in (("0", "--context must be between 1"), ("20", "reached its context of 20 positions")):
         with pytest.raises(UserError, match=message):
             gen.run(gen.parse_args(["--interactive", "--context", context, "--precision", "fp32"]))
+    with pytest.raises(UserError, match="--context sizes the cache of --interactive"):
+        gen.run(gen.parse_args(["--context", "64"]))
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
