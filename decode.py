@@ -5,6 +5,8 @@ prefill, the one-token step, and the cache length both size their caches by.
 and `decode.decode_one_token`, so that they get whichever is current.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -136,9 +138,21 @@ def compile_steps(dynamic_prefill: bool = False):
     # a CUDA graph per count of key blocks read (key_positions) is the design, not a mistake to warn of
     torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
     # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
-    decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    decode_one_token = copied_out(torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
+                                                dynamic=False))
     if dynamic_prefill:
         prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
+
+
+def copied_out(step):
+    """step, its outputs copied: a CUDA graph's outputs live in memory that its next replay, or another
+    graph's, may overwrite, and callers keep them past the next call (a clone inside the compiled
+    function would live there too)."""
+    @functools.wraps(step)
+    def copied(*args, **kwargs):
+        out = step(*args, **kwargs)
+        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
+    return copied
 
 
 def padded_length(n: int, context: int) -> int:

@@ -155,9 +155,8 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     if callback:
         decode.stream(callback, next_token, torch.ones_like(done))
     for step in range(1, max_new_tokens):
-        # clone: CUDA graphs reuse their output buffers on the next replay
         keys = decode.key_positions(model, T + step)  # the latest position is T + step - 1
-        next_token = decode.decode_one_token(model, next_token, input_pos, keys, **sampling).clone()
+        next_token = decode.decode_one_token(model, next_token, input_pos, keys, **sampling)
         input_pos = input_pos + 1
         new_tokens.append(next_token)
         if callback:  # streaming looks at the host every step anyway

@@ -340,7 +340,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         proposal = drafter.propose(tokens, lengths, k, **sampling)
         if proposal is None:
             n = torch.zeros_like(lengths)
-            next_token = decode.decode_one_token(model, cur, (lengths - 1)[:, None], keys, **sampling).clone()[:, 0]
+            next_token = decode.decode_one_token(model, cur, (lengths - 1)[:, None], keys, **sampling)[:, 0]
             drafts = cur.expand(-1, k)  # placeholders, none kept
             plain_steps += 1
         else:
@@ -527,20 +527,9 @@ def compile_steps():
     """Compile the draft model's step, the head's and the target's verify step, each with fixed shapes
     (CUDA graphs on GPU)."""
     global draft_step, target_step, head_step
-    draft_step, head_step, target_step = (copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True,
-                                                                   dynamic=False))
-                                          for step in (draft_step, head_step, target_step))
-
-
-def copied_out(step):
-    """step, its outputs copied: a CUDA graph's outputs live in memory that its next replay, or another
-    graph's, may overwrite, and a head's state or a verify step's states outlive the next call (a clone
-    inside the compiled function would live there too)."""
-    @functools.wraps(step)
-    def copied(*args, **kwargs):
-        out = step(*args, **kwargs)
-        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
-    return copied
+    draft_step, head_step, target_step = (
+        decode.copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
+        for step in (draft_step, head_step, target_step))
 
 
 def acceptance_rate(stats: dict, k: int) -> float:

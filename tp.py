@@ -35,10 +35,10 @@ def maybe_init_distributed(device: str | None = None) -> tuple[int, int]:
         return 0, 1
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
-    if on_gpu and device not in (None, "cuda"):
-        raise UserError(f"--device {device} under torchrun: each rank takes the GPU of its LOCAL_RANK, so leave "
-                        "out --device or pass --device cuda")
     if on_gpu:
+        if device not in (None, "cuda"):
+            raise UserError(f"--device {device} under torchrun: each rank takes the GPU of its LOCAL_RANK, so "
+                            "leave out --device or pass --device cuda")
         if world > torch.cuda.device_count():
             raise UserError(f"{world} processes but {torch.cuda.device_count()} GPUs: use --nproc_per_node "
                             f"{torch.cuda.device_count()} or fewer")

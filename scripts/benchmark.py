@@ -604,7 +604,7 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
         token = first
         for i in range(n):
             keys = decode.key_positions(model, prompt.shape[1] + i + 1)
-            token = decode.decode_one_token(model, token, length[:, None] + i, keys).clone()
+            token = decode.decode_one_token(model, token, length[:, None] + i, keys)
 
     steps()  # compiles, the first time
     return statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
