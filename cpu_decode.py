@@ -16,6 +16,11 @@ their output back to bf16 (matmul_dtype); fewer rows keep bf16, which is faster 
 
     cpu_decode.apply(model)   # once, at load (generate.load_model); a no-op for a model on another device
 
+Where oneDNN has bf16 kernels of its own (AVX-512 bf16, AMX), `pack(model)` gives each bf16 linear a
+second copy of its weight in oneDNN's layout, which its product of a few rows reads at the memory's
+speed: speculative_generate packs its target, so that a verify step's k + 1 rows cost less (the
+one-row loop above stays faster for one row, so the plain weights stay too).
+
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
 model.py's own, so compiled decoding computes what eager decoding computes.
 """
@@ -114,15 +119,58 @@ def compiling_few_rows(x: Tensor) -> bool:
     return torch.compiler.is_compiling() and isinstance(rows, int) and rows <= FEW_ROWS
 
 
+# oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)
+# at the memory's speed at a few rows: 6 rows by SmolLM2's gate/up weight, streamed from memory on an
+# AVX-512 bf16 core, 0.16-0.20 ms against 0.27-0.29 for the loop of rows_product and 0.30-0.38 for
+# F.linear; at one row the loop is the fastest (README, "Packed weights for verify steps")
+PACKABLE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+if PACKABLE:
+    # PyTorch's op for a packed product is lowered by inductor only for weights it packed itself
+    # (frozen constants); wrapped as an op of ours, compiled code calls it as it is
+    _ops = torch.library.Library("fastllama", "DEF")
+    _ops.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+
+    def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    for key in ("CPU", "MkldnnCPU"):  # the packed weight is a tensor of oneDNN's own kind
+        _ops.impl("packed_linear", _packed_linear, key)
+    _ops.impl("packed_linear", lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
+
+
 class FewRowLinear(nn.Linear):
-    """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
-    rows runs in matmul_dtype (same weights, another forward)."""
+    """nn.Linear whose compiled forward of a few rows is few_rows_product (of 2 to FEW_ROWS bf16 rows, a
+    product with the packed weight when pack() made one), and whose product of many rows runs in
+    matmul_dtype (same weights, another forward)."""
+
+    packed: Tensor | None = None  # the weight in oneDNN's layout (pack())
+    packed_from: tuple | None = None  # the weight it was made from: (storage address, version)
 
     def forward(self, x: Tensor) -> Tensor:
         if compiling_few_rows(x):
+            if self.packed is not None and x.dtype == torch.bfloat16 and x.shape[:-1].numel() > 1:
+                return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
             y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
         return linear_in(matmul_dtype(x), x, self.weight, self.bias).to(x.dtype)
+
+
+def pack(model: Transformer):
+    """Where oneDNN has bf16 kernels, give each bf16 linear of a CPU model (after apply()) a copy of its
+    weight in their layout, for compiled products of a few rows (a speculative verify step's): a
+    second copy of the weights in memory. A copy made from a weight that has changed since (replaced
+    or written in place) is made anew: speculative_generate calls it before its first round."""
+    if not PACKABLE:
+        return
+    for module in model.modules():
+        weight = module.weight if type(module) is FewRowLinear else None
+        if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            continue
+        source = (weight.data_ptr(), weight._version)
+        if module.packed_from != source:
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), FEW_ROWS)
+            module.packed_from = source
 
 
 def apply(model: Transformer):

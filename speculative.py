@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import cpu_decode
 import decode
 from checkpoint import read_safetensors, single, write_safetensors
 from errors import UserError
@@ -309,6 +310,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
     model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
+    cpu_decode.pack(model)  # a CPU bf16 target's verify steps read oneDNN's copy of its weights
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     # tokens: every row's text so far, right-padded, with room for a round's k + 1 tokens past the

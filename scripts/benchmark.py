@@ -516,6 +516,7 @@ def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
     speculative round costs beyond its drafts."""
     k, m = args.speculate_k, args.draft_alternatives
     model.setup_caches(1, decode.padded_length(depth + 64, model.config.block_size))
+    cpu_decode.pack(model)  # as speculative_generate does
     token = torch.zeros(1, 1, dtype=torch.long, device=args.device)
     positions = depth + torch.arange(1 + k + k * m, device=args.device)[None]
     keys = decode.key_positions(model, depth + 1 + k + k * m)

@@ -108,3 +108,35 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
     b = torch.randn(10).bfloat16() if bias else None
     expected = torch.nn.functional.linear(x, weight.float(), None if b is None else b.float())
     torch.testing.assert_close(cpu_decode.linear_in(torch.float32, x, weight, b), expected)
+
+
+@pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels on this CPU")
+@torch.no_grad()
+def test_compiled_products_of_a_few_rows_read_the_packed_weight():
+    """After pack(), a compiled bf16 product of 2 to FEW_ROWS rows is oneDNN's over its packed copy of
+    the weight (F.linear's result, bias included) and one row keeps the fused loop; pack() keeps a
+    current copy and makes a new one for a weight written in place."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
+    cpu_decode.apply(linear)
+    cpu_decode.pack(linear)
+    first = linear.packed
+    cpu_decode.pack(linear)
+    assert linear.packed is first
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=False)
+    for rows in (1, 6):
+        x = torch.randn(1, rows, 64).bfloat16()
+        torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert ["packed_linear" in graph.code for graph in graphs] == [False, True]
+    linear.weight.mul_(-1)
+    cpu_decode.pack(linear)
+    assert linear.packed is not first
+    x = torch.randn(1, cpu_decode.FEW_ROWS, 64).bfloat16()
+    torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
