@@ -163,14 +163,13 @@ def pack(model: Transformer):
     or written in place) is made anew: speculative_generate calls it before its first round."""
     if not PACKABLE:
         return
-    for module in model.modules():
-        weight = module.weight if type(module) is FewRowLinear else None
-        if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            continue
-        source = (weight.data_ptr(), weight._version)
-        if module.packed_from != source:
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), FEW_ROWS)
-            module.packed_from = source
+    linears = [m for m in model.modules() if type(m) is FewRowLinear and m.weight.dtype == torch.bfloat16
+               and m.weight.device.type == "cpu"]
+    for linear in linears:
+        source = (linear.weight.data_ptr(), linear.weight._version)
+        if linear.packed_from != source:
+            linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), FEW_ROWS)
+            linear.packed_from = source
 
 
 def apply(model: Transformer):
