@@ -149,76 +149,97 @@ class HarnessModel(HarnessLM):
         for each pair of token lists. A text longer than the model keeps its last max_length tokens.
 
         Requests that share a prefix, the text up to the token that predicts the continuation's first
-        (the choices of one question), share its forward: it fills the cache once, and each choice's
-        other tokens then run in a row of their own that reads the prefix's keys and values. (The
-        harness's HF backend shares a forward only between one-token choices.)"""
+        (the choices of one question), share a row: the prefix once, then each one's other tokens as a
+        branch of a tree over it, which sees the prefix and its own earlier tokens only (the tree mask
+        of Transformer.blocks). So a question's prefix runs once and its choices need no padding to the
+        longest of them. (The harness's HF backend shares a forward only between one-token choices.)
+        A sliding-window layer's ring sees by position, not by tree: there each request has a row."""
         by_prefix = {}  # prefix -> [(request, the tokens it scores)]
         for i, (context, continuation) in enumerate(pairs):
             tokens = (context + continuation)[-(self.max_length + 1):]
             split = max(1, len(tokens) - len(continuation))
             by_prefix.setdefault(tuple(tokens[:split]), []).append((i, tokens[split:]))
         results = [None] * len(pairs)
-        for batch in tqdm(self.batches(by_prefix), desc="scoring", unit="batch", leave=False):
-            prefixes = [list(prefix) for prefix, _ in batch]
-            longest_rest = max(len(targets) - 1 for _, members in batch for _, targets in members)
-            self.model.setup_caches(len(batch), len(prefixes[0]) + longest_rest)
-            after_prefix = self.logprobs(prefixes, [0] * len(batch), last_only=True)  # [(1, V)] a prefix
-            # a request with more than one token to score: the row of its prefix, and the tokens after it
-            rests = [(r, i, targets) for r, (_, members) in enumerate(batch) for i, targets in members
-                     if len(targets) > 1]
-            if rests:
-                picks = torch.tensor([r for r, _, _ in rests], device=self.model.positions.device)
-                self.model.select_cache_rows(picks)
-                after_rest = self.logprobs([targets[:-1] for _, _, targets in rests],
-                                           [len(prefixes[r]) for r, _, _ in rests])
-                rest_of = {i: logprobs for (_, i, _), logprobs in zip(rests, after_rest)}
-            for r, (_, members) in enumerate(batch):
+        for batch in tqdm(self.batches(self.rows(by_prefix)), desc="scoring", unit="batch", leave=False):
+            for (_, members), scored in zip(batch, self.logprobs(batch)):
+                start = 1  # scored[0]: after the prefix; then each member's branch, in order
                 for i, targets in members:
-                    own = torch.cat([after_prefix[r], rest_of[i]]) if len(targets) > 1 else after_prefix[r]
-                    targets = torch.tensor(targets)
-                    greedy = bool((own.argmax(-1) == targets).all())
-                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), greedy)
+                    branch = len(targets) - 1
+                    own = torch.cat([scored[:1], scored[start: start + branch]])[: len(targets)]
+                    start += branch
+                    targets = torch.tensor(targets, dtype=torch.long)
+                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), bool((own.argmax(-1) == targets).all()))
         return results
 
-    def batches(self, by_prefix: dict) -> list[list]:
-        """The prefixes with their requests, longest first, in groups that fit a batch (a prefix with
-        more than batch_size requests in parts)."""
+    def rows(self, by_prefix: dict) -> list[tuple[list[int], list]]:
+        """(prefix, requests) a row: each prefix with as many of its requests' branches as fit in
+        max_length positions (one where the model has sliding-window layers)."""
+        per_row = 1 if self.model.config.sliding_window else None
+        rows = []
+        for prefix, members in by_prefix.items():
+            row, length = [], len(prefix)
+            for i, targets in members:
+                if row and (length + len(targets) - 1 > self.max_length or len(row) == per_row):
+                    rows.append((list(prefix), row))
+                    row, length = [], len(prefix)
+                row.append((i, targets))
+                length += len(targets) - 1
+            rows.append((list(prefix), row))
+        return rows
+
+    def batches(self, rows: list) -> list[list]:
+        """The rows, longest first, in groups of at most batch_size rows whose padded tokens are no more
+        than batch_size requests of the group's longest take without sharing (the HF backend's batch)."""
         batches = []
-        for prefix in sorted(by_prefix, key=len, reverse=True):
-            for members in batched(by_prefix[prefix], self.batch_size):
-                if batches and self.fits(batches[-1] + [(prefix, members)]):
-                    batches[-1].append((prefix, members))
-                else:
-                    batches.append([(prefix, members)])
+        for row in sorted(rows, key=row_length, reverse=True):
+            if batches and self.fits(batches[-1] + [row]):
+                batches[-1].append(row)
+            else:
+                batches.append([row])
         return batches
 
     def fits(self, batch: list) -> bool:
-        """Whether one batch may take these (prefix, requests), longest prefix first: at most batch_size
-        prefixes; their requests' other tokens (a row each, right-padded) no more tokens than batch_size
-        rows without sharing would take; the longest prefix and the longest rest within max_length."""
-        rests = [len(targets) - 1 for _, members in batch for _, targets in members if len(targets) > 1]
-        longest_prefix, longest_rest = len(batch[0][0]), max(rests, default=0)
-        return (len(batch) <= self.batch_size and longest_prefix + longest_rest <= self.max_length
-                and len(rests) * longest_rest <= self.batch_size * (longest_prefix + longest_rest))
+        longest_request = max(len(prefix) + len(targets) for prefix, members in batch for _, targets in members)
+        return len(batch) <= self.batch_size and len(batch) * row_length(batch[0]) <= self.batch_size * longest_request
 
-    def logprobs(self, rows: list[list[int]], starts: list[int], last_only: bool = False) -> list[torch.Tensor]:
-        """Log-probabilities of the next token after each position of each row, (len(row), V) a row
-        (with last_only, after its last position only: (1, V)). The rows go right-padded into one
-        forward, row r's tokens at positions starts[r], ...: a row that starts past 0 reads what the
-        cache holds before it. The output head runs on the positions asked for only."""
-        T = max(map(len, rows))
-        idx = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, row in enumerate(rows):
-            idx[r, : len(row)] = torch.tensor(row)
-        columns, lengths = torch.arange(T), torch.tensor([len(row) for row in rows])
-        wanted = columns == lengths[:, None] - 1 if last_only else columns < lengths[:, None]  # (R, T), row by row
+    def logprobs(self, batch: list) -> list[torch.Tensor]:
+        """Log-probabilities of the next token after each row's prefix and after each token of its
+        branches, (1 + branch tokens, V) a row, in one forward: the rows right-padded, each a tree (a
+        padding token sees itself only); the output head runs on those positions only."""
+        lengths = torch.tensor([row_length(row) for row in batch])
+        R, T = len(batch), int(lengths.max())
+        idx = torch.zeros(R, T, dtype=torch.long)
+        tree = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)  # (R, T, T)
+        prefix_lengths = torch.tensor([len(prefix) for prefix, _ in batch])
+        for r, (prefix, members) in enumerate(batch):
+            P = len(prefix)
+            idx[r, :P] = torch.tensor(prefix)
+            tree[r, :P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+            start = P
+            for _, targets in members:
+                end = start + len(targets) - 1
+                idx[r, start:end] = torch.tensor(targets[:-1], dtype=torch.long)
+                tree[r, start:end, :P] = True
+                tree[r, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+                start = end
         device = next(self.model.parameters()).device
+        self.model.setup_caches(R, T)
         # a shorter row's padding cycles through the chunk after its end, as a prompt's does in prefill,
         # so that it never overwrites keys the row still needs in a sliding-window ring
-        positions = torch.tensor(starts).unsqueeze(1) + prompt_positions(lengths, T, self.model.chunk)  # (R, T)
-        x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, max(starts) + T))
+        positions = prompt_positions(lengths, T, self.model.chunk)  # (R, T)
+        sliding = self.model.config.sliding_window
+        x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, T),
+                                     None if sliding else tree.to(device))
+        columns = torch.arange(T)
+        wanted = (columns >= prefix_lengths[:, None] - 1) & (columns < lengths[:, None])  # (R, T)
         logprobs = self.model.logits(x[wanted.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
         return list(logprobs.split(wanted.sum(1).tolist()))
+
+
+def row_length(row: tuple[list[int], list]) -> int:
+    """Positions a row of score() takes: its prefix and every branch of its requests."""
+    prefix, members = row
+    return len(prefix) + sum(len(targets) - 1 for _, targets in members)
 
 
 def batched(items: list, size: int):

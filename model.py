@@ -209,19 +209,6 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
-    def select_cache_rows(self, rows: Tensor):
-        """Row r of the KV caches becomes a copy of row rows[r] (R,), repeats allowed; the caches then
-        hold R rows. After a forward over a few prompts, several continuations of each can go on from
-        there, each in a row of its own that reads its prompt's keys and values."""
-        for layer in self.layers:
-            cache = layer.attention.kv_cache
-            for name, buffer in list(cache.named_buffers()):
-                setattr(cache, name, buffer[rows])
-        self.positions = self.positions[:1].expand(len(rows), -1)
-        if self.config.sliding_window:
-            self.ring_positions = self.ring_positions[rows]
-        self.max_batch_size = len(rows)
-
     def move_cache_entries(self, source: Tensor, target: Tensor):
         """Each row's keys and values at slot source (B,) are copied to slot target (B,), in every
         layer's full cache: a draft the tree verified in a slot of its own goes where its position is."""
@@ -256,10 +243,11 @@ class Transformer(nn.Module):
                tree: Tensor | None = None) -> Tensor:
         """x (B, T, dim) through every layer, writing the KV cache at input_pos (B, T).
 
-        tree (T, T), for speculative decoding's drafts as a tree: tree[i, j] when token j is token i's
-        ancestor or i itself, the root first. The T tokens then lie in consecutive slots from
-        input_pos[:, 0], each at the position of its depth in the tree (RoPE), and each sees the cache
-        before the root and, of the tree, only its ancestors and itself. Full caches only."""
+        tree (T, T), or one a row (B, T, T), for tokens that branch: speculative decoding's drafts as a
+        tree, eval.py's choices after their question. tree[..., i, j] when token j is token i's ancestor
+        or i itself, the root first. The T tokens then lie in consecutive slots from input_pos[:, 0],
+        each at the position of its depth in the tree (RoPE), and each sees the cache before the root
+        and, of the tree, only its ancestors and itself. Full caches only."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
         B, T, _ = x.shape
@@ -270,7 +258,7 @@ class Transformer(nn.Module):
         if tree is None:
             full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
         else:
-            depths = tree.sum(-1) - 1  # (T,)
+            depths = tree.sum(-1) - 1  # (T,) or (B, T)
             full = self.rope_cache[input_pos[:, :1] + depths], tree_attention_mask(input_pos, key_positions, tree)
         if c.sliding_window:
             rows = torch.arange(B, device=x.device).unsqueeze(1)
@@ -309,12 +297,13 @@ def attention_mask(query_pos: Tensor, key_pos: Tensor, window: int | None = None
 
 
 def tree_attention_mask(input_pos: Tensor, key_pos: Tensor, tree: Tensor) -> Tensor:
-    """(B, 1, T, S): the T tokens of a tree (T, T), in consecutive slots from input_pos[:, 0] (B, T),
-    see the keys before the first of them and, of their own, the ones the tree marks. key_pos: (B, S)."""
-    T = tree.shape[0]
+    """(B, 1, T, S): the T tokens of a tree (T, T) or of a tree a row (B, T, T), in consecutive slots
+    from input_pos[:, 0] (B, T), see the keys before the first of them and, of their own, the ones the
+    tree marks. key_pos: (B, S)."""
+    (B, S), T = key_pos.shape, tree.shape[-1]
     node = key_pos - input_pos[:, :1]  # (B, S): the token of the tree a slot holds, when in 0..T-1
     in_tree = (node >= 0) & (node < T)
-    sees = tree[:, node.clamp(0, T - 1)].transpose(0, 1)  # (B, T, S)
+    sees = tree.expand(B, T, T).gather(2, node.clamp(0, T - 1).unsqueeze(1).expand(B, T, S))  # (B, T, S)
     before = ((key_pos >= 0) & (node < 0)).unsqueeze(1)  # (B, 1, S)
     return torch.where(in_tree.unsqueeze(1), sees, before).unsqueeze(1)
 

@@ -55,10 +55,16 @@ def test_loglikelihood_equals_hf_and_a_batch_equals_each_alone(harness_model, hf
 
 
 def test_a_context_longer_than_the_model_keeps_its_end(harness_model, hf_model):
+    """Truncated requests keep their last max_length tokens; choices of one question whose branches
+    together pass max_length go in several rows."""
     long = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", batch_size=2, max_length=24)
+    choices = [" one two three four five six seven eight nine ten", " eleven twelve thirteen fourteen fifteen sixteen",
+               " seventeen eighteen nineteen twenty twenty-one twenty-two"]
     pairs = [(" ".join(["word"] * 40) + " and then", " the end"), ("Short", " one")]
-    for pair, (logprob, _) in zip(pairs, long.loglikelihood(requests(pairs))):
-        context, continuation = long.encode_pair(*pair)
+    pairs += [("Count with me:", choice) for choice in choices]
+    encoded = [long.encode_pair(*pair) for pair in pairs]
+    assert len(long.rows({tuple(encoded[2][0]): [(i, c) for i, (_, c) in enumerate(encoded[2:])]})) > 1
+    for (context, continuation), (logprob, _) in zip(encoded, long.loglikelihood(requests(pairs))):
         assert logprob == pytest.approx(hf_logprob(hf_model, context, continuation, 24), rel=1e-4, abs=1e-4)
 
 

@@ -209,23 +209,31 @@ def test_safetensors_writer_round_trip(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
-@pytest.mark.parametrize("window", [None, 6], ids=["full caches", "sliding-window rings"])
 @torch.no_grad()
-def test_continuations_from_selected_cache_rows_equal_whole_forwards(window):
-    """Two prefixes fill rows 0 and 1; rows picked from them (0 twice) go on with tokens of their own,
-    at positions past their prefix: each equals a forward over its prefix and continuation at once."""
+def test_a_tree_a_row_equals_each_branch_after_its_prefix():
+    """Rows of their own trees (B, T, T) in one forward: a prefix, then branches that each see the
+    prefix and their own earlier tokens; every branch equals a forward over its prefix and itself."""
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, n_head=4, n_local_heads=2,
-                                  block_size=64, sliding_window=window)).eval()
-    prefixes, continuations = torch.randint(0, 64, (2, 10)), torch.randint(0, 64, (3, 5))
-    lengths, picks = torch.tensor([10, 8]), torch.tensor([0, 0, 1])  # row 1's prefix: its first 8 tokens
-    model.setup_caches(2, 32, chunk=4)
-    model(prefixes, torch.arange(10))
-    model.select_cache_rows(picks)
-    positions = lengths[picks].unsqueeze(1) + torch.arange(5)  # (3, 5)
-    logits = model(continuations, positions)
-    for row, (pick, length) in enumerate(zip(picks, lengths[picks])):
-        model.setup_caches(1, 32, chunk=4)
-        whole = torch.cat([prefixes[pick, :length], continuations[row]])[None]
-        reference = model(whole, torch.arange(len(whole[0])))[0, length:]
-        assert relative_error(logits[row], reference) <= 1e-5
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=48, n_head=4, n_local_heads=2, block_size=64)).eval()
+    rows = [(torch.randint(0, 64, (6,)), [torch.randint(0, 64, (n,)) for n in (3, 1, 4)]),
+            (torch.randint(0, 64, (9,)), [torch.randint(0, 64, (2,))])]  # 14 and 11 tokens: the second padded
+    T = 14
+    idx, tree = torch.zeros(2, T, dtype=torch.long), torch.eye(T, dtype=torch.bool).repeat(2, 1, 1)
+    for r, (prefix, branches) in enumerate(rows):
+        P = start = len(prefix)
+        idx[r, :P], tree[r, :P, :P] = prefix, torch.ones(P, P, dtype=torch.bool).tril()
+        for branch in branches:
+            end = start + len(branch)
+            idx[r, start:end], tree[r, start:end, :P] = branch, True
+            tree[r, start:end, start:end] = torch.ones(len(branch), len(branch), dtype=torch.bool).tril()
+            start = end
+    model.setup_caches(2, T)
+    logits = model.logits(model.hidden_states(idx, torch.arange(T).expand(2, T), tree=tree))
+    for r, (prefix, branches) in enumerate(rows):
+        start = len(prefix)
+        for branch in branches:
+            model.setup_caches(1, T)
+            whole = torch.cat([prefix, branch])[None]
+            reference = model(whole, torch.arange(whole.shape[1]))[0, len(prefix):]
+            assert relative_error(logits[r, start: start + len(branch)], reference) <= 1e-5
+            start += len(branch)
