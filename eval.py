@@ -72,6 +72,9 @@ class HarnessModel(HarnessLM):
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
         self.chat = chat
         self.max_length = max_length or model.config.block_size
+        # the longest row of several requests: where the model has sliding-window layers, one that lies
+        # in the window, so that their rings mask as its tree does (Transformer.blocks)
+        self.tree_length = min(self.max_length, model.config.sliding_window or self.max_length)
         # what an empty context is scored after, as the harness's HF backend does
         self.prefix_token_id = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
 
@@ -153,7 +156,7 @@ class HarnessModel(HarnessLM):
         branch of a tree over it, which sees the prefix and its own earlier tokens only (the tree mask
         of Transformer.blocks). So a question's prefix runs once and its choices need no padding to the
         longest of them. (The harness's HF backend shares a forward only between one-token choices.)
-        A sliding-window layer's ring sees by position, not by tree: there each request has a row."""
+        With sliding-window layers, a row of several requests fits in the window (tree_length)."""
         by_prefix = {}  # prefix -> [(request, the tokens it scores)]
         for i, (context, continuation) in enumerate(pairs):
             tokens = (context + continuation)[-(self.max_length + 1):]
@@ -173,13 +176,12 @@ class HarnessModel(HarnessLM):
 
     def rows(self, by_prefix: dict) -> list[tuple[list[int], list]]:
         """(prefix, requests) a row: each prefix with as many of its requests' branches as fit in
-        max_length positions (one where the model has sliding-window layers)."""
-        per_row = 1 if self.model.config.sliding_window else None
+        tree_length positions (a request longer than that alone)."""
         rows = []
         for prefix, members in by_prefix.items():
             row, length = [], len(prefix)
             for i, targets in members:
-                if row and (length + len(targets) - 1 > self.max_length or len(row) == per_row):
+                if row and length + len(targets) - 1 > self.tree_length:
                     rows.append((list(prefix), row))
                     row, length = [], len(prefix)
                 row.append((i, targets))
@@ -189,7 +191,8 @@ class HarnessModel(HarnessLM):
 
     def batches(self, rows: list) -> list[list]:
         """The rows, longest first, in groups of at most batch_size rows whose padded tokens are no more
-        than batch_size requests of the group's longest take without sharing (the HF backend's batch)."""
+        than batch_size requests of the group's longest take without sharing (the HF backend's batch),
+        and that are no longer than tree_length or all hold one request (logprobs)."""
         batches = []
         for row in sorted(rows, key=row_length, reverse=True):
             if batches and self.fits(batches[-1] + [row]):
@@ -200,12 +203,15 @@ class HarnessModel(HarnessLM):
 
     def fits(self, batch: list) -> bool:
         longest_request = max(len(prefix) + len(targets) for prefix, members in batch for _, targets in members)
-        return len(batch) <= self.batch_size and len(batch) * row_length(batch[0]) <= self.batch_size * longest_request
+        trees = row_length(batch[0]) <= self.tree_length or all(len(members) == 1 for _, members in batch)
+        return (trees and len(batch) <= self.batch_size
+                and len(batch) * row_length(batch[0]) <= self.batch_size * longest_request)
 
     def logprobs(self, batch: list) -> list[torch.Tensor]:
         """Log-probabilities of the next token after each row's prefix and after each token of its
         branches, (1 + branch tokens, V) a row, in one forward: the rows right-padded, each a tree (a
-        padding token sees itself only); the output head runs on those positions only."""
+        padding token sees itself only; rows longer than tree_length, each one request, causal by
+        position instead); the output head runs on those positions only."""
         lengths = torch.tensor([row_length(row) for row in batch])
         R, T = len(batch), int(lengths.max())
         idx = torch.zeros(R, T, dtype=torch.long)
@@ -223,13 +229,12 @@ class HarnessModel(HarnessLM):
                 tree[r, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
                 start = end
         device = next(self.model.parameters()).device
-        self.model.setup_caches(R, T)
-        # a shorter row's padding cycles through the chunk after its end, as a prompt's does in prefill,
-        # so that it never overwrites keys the row still needs in a sliding-window ring
+        # one forward whatever the length (a chunk of max_length): sliding-window rings then hold every
+        # position of the rows, and mask a tree within the window as a full cache does
+        self.model.setup_caches(R, T, chunk=self.max_length)
         positions = prompt_positions(lengths, T, self.model.chunk)  # (R, T)
-        sliding = self.model.config.sliding_window
         x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, T),
-                                     None if sliding else tree.to(device))
+                                     tree.to(device) if T <= self.tree_length else None)
         columns = torch.arange(T)
         wanted = (columns >= prefix_lengths[:, None] - 1) & (columns < lengths[:, None])  # (R, T)
         logprobs = self.model.logits(x[wanted.to(device)]).float().log_softmax(-1).cpu()  # (N, V)

@@ -247,23 +247,29 @@ class Transformer(nn.Module):
         tree, eval.py's choices after their question. tree[..., i, j] when token j is token i's ancestor
         or i itself, the root first. The T tokens then lie in consecutive slots from input_pos[:, 0],
         each at the position of its depth in the tree (RoPE), and each sees the cache before the root
-        and, of the tree, only its ancestors and itself. Full caches only."""
+        and, of the tree, only its ancestors and itself. With sliding-window layers, a tree must lie,
+        with all it sees, within the window, and take one forward (T <= chunk): a ring then masks as
+        the tree does (eval.py's rows; speculative decoding refuses trees for such models)."""
         assert self.max_seq_length > 0, "call setup_caches first"
         c = self.config
         B, T, _ = x.shape
         if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
+            assert tree is None, "a tree goes through a sliding-window ring in one forward"
             return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
                               for i in range(0, T, self.chunk)], dim=1)
         key_positions = self.positions if key_positions is None else key_positions  # (B, n)
         if tree is None:
-            full = self.rope_cache[input_pos], attention_mask(input_pos, key_positions)  # rope: (B, T, 2 * rope_dim)
+            rope_pos, full_mask = input_pos, attention_mask(input_pos, key_positions)
         else:
-            depths = tree.sum(-1) - 1  # (T,) or (B, T)
-            full = self.rope_cache[input_pos[:, :1] + depths], tree_attention_mask(input_pos, key_positions, tree)
+            rope_pos = input_pos[:, :1] + tree.sum(-1) - 1  # (B, T): the positions of the tokens' depths
+            full_mask = tree_attention_mask(input_pos, key_positions, tree)
+        full = self.rope_cache[rope_pos], full_mask  # rope: (B, T, 2 * rope_dim)
         if c.sliding_window:
             rows = torch.arange(B, device=x.device).unsqueeze(1)
             self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
-            local = self.local_rope_cache[input_pos], attention_mask(input_pos, self.ring_positions, c.sliding_window)
+            ring_mask = (attention_mask(input_pos, self.ring_positions, c.sliding_window) if tree is None
+                         else tree_attention_mask(input_pos, self.ring_positions, tree))
+            local = self.local_rope_cache[rope_pos], ring_mask
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
         return x

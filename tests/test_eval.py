@@ -84,6 +84,30 @@ def test_ragged_requests_of_a_sliding_window_model_score_as_each_alone():
 
 
 @torch.no_grad()
+def test_choices_of_a_sliding_window_model_share_a_row_within_the_window():
+    """Where a question and its choices fit in the window, they are one row (its rings mask as the
+    tree does); a longer request has a row of its own; each scores as a plain forward over it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=3, dim=32, n_head=4, n_local_heads=2, block_size=512,
+                                  sliding_window=16, sliding_layers=[0, 2])).eval()
+    harness = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3)
+    ids = torch.randint(2, 64, (80,)).tolist()
+    question = ids[:6]
+    pairs = [(question, ids[6 + 3 * i: 9 + 3 * i]) for i in range(3)]  # a row of 6 + 3 * 3 - 1 positions
+    pairs += [(ids[:40], ids[40:44]), (ids[50:53], ids[53:55]), (ids[50:53], ids[60:61])]
+    choices = [(i, continuation) for i, (_, continuation) in enumerate(pairs[:3])]
+    assert [len(members) for _, members in harness.rows({tuple(question): choices})] == [3]  # 12 positions
+    assert [len(members) for _, members in harness.rows({tuple(ids[:12]): choices})] == [2, 1]  # 16, then 14
+    scored = harness.score(pairs)
+    for (context, continuation), (logprob, _) in zip(pairs, scored):
+        tokens = torch.tensor([context + continuation])
+        model.setup_caches(1, tokens.shape[1])
+        logits = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1))[0].float().log_softmax(-1)
+        expected = logits[-len(continuation):].gather(-1, torch.tensor(continuation)[:, None]).sum().item()
+        assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+@torch.no_grad()
 def test_perplexity_over_windows_that_do_not_fill_the_last_batch():
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=64)).eval()
