@@ -122,7 +122,7 @@ def compiling_few_rows(x: Tensor) -> bool:
 # oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)
 # at the memory's speed at a few rows: 6 rows by SmolLM2's gate/up weight, streamed from memory on an
 # AVX-512 bf16 core, 0.16-0.20 ms against 0.27-0.29 for the loop of rows_product and 0.30-0.38 for
-# F.linear; at one row the loop is the fastest (README, "Packed weights for verify steps")
+# F.linear; at one row the loop is the fastest (benchmarks/RESULTS.md, "Packed weights for verify steps")
 PACKABLE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 if PACKABLE:

@@ -254,7 +254,8 @@ class Int4ExpertLinears(ExpertLinears):
 def int8_kernel(device: torch.device) -> str:
     """How int8 runs here. On CPU, compiled code's fused multiply-and-sum pays only with AVX-512, whose
     masked loads take the int8 weight a part-vector at a time; with AVX2 inductor copies each 8 bytes
-    through memory first, and PyTorch's int8 kernel decodes 5x faster (the README's AVX2 results)."""
+    through memory first, and PyTorch's int8 kernel decodes 5x faster (benchmarks/RESULTS.md, "CPUs
+    without AVX-512")."""
     if device.type != "cpu":
         return "dequantize"
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
