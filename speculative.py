@@ -63,8 +63,11 @@ class Drafter:
 
 
 class DraftModel(Drafter):
-    """A draft model with its own static cache, decoding k tokens a round (and offering its next
-    `alternatives` best tokens at each depth)."""
+    """A draft model decoding k tokens a round (and offering its next `alternatives` best tokens at
+    each depth). One of the target's own shape and dtype (its quantized copy) reads and writes the
+    target's caches instead of keeping its own: it needs no prefill, it drafts from the target's keys
+    and values of the text, and the entries it writes (at its drafts' positions) are overwritten by
+    the verify step before the target reads them, so the target sees only its own."""
 
     def __init__(self, model: Transformer, alternatives: int = 0):
         self.model, self.alternatives = model, alternatives
@@ -75,16 +78,25 @@ class DraftModel(Drafter):
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
         self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
         self.last_position = cache_length - 1
-        T = int(prompt_lengths.max())
-        decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
+        self.shares_caches = self.model.config == target.config and cache_dtypes(self.model) == cache_dtypes(target)
+        if self.shares_caches:  # anew each call: the target's caches may have been made anew
+            for mine, theirs in zip(self.model.layers, target.layers):
+                mine.attention.kv_cache = theirs.attention.kv_cache
+            if target.config.sliding_window:
+                self.model.ring_positions = target.ring_positions
+        else:
+            T = int(prompt_lengths.max())
+            decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
 
     def propose(self, tokens, lengths, k, **sampling):
-        """The first step feeds the last two tokens of the text: the one before the last may not be in
-        the drafter's cache yet (when the previous round accepted every draft); feeding it again when
-        it is rewrites the same entry. Positions past the cache are clamped to its last slot: they
-        only ever hold drafts beyond the requested length, which are discarded."""
+        """The first step feeds the text's last token, and with caches of its own the one before too:
+        that one may not be in them yet (when the previous round accepted every draft); feeding it
+        again when it is rewrites the same entry. (In the target's caches it always is, and must stay
+        the target's.) Positions past the cache are clamped to its last slot: they only ever hold
+        drafts beyond the requested length, which are discarded."""
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        pos = torch.stack([lengths - 2, lengths - 1], dim=1)  # (B, 2)
+        fed = 1 if self.shares_caches else 2
+        pos = lengths[:, None] - fed + torch.arange(fed, device=tokens.device)  # (B, fed)
         x = tokens[rows[:, None], pos]
         keys = decode.key_positions(self.model, int(lengths.max()) + k)  # the last draft's position + 1
         drafts, probs = [], []
@@ -99,6 +111,12 @@ class DraftModel(Drafter):
             drafts.append(with_alternatives(x, logits, self.alternatives))
             pos = pos[:, -1:] + 1
         return torch.stack(drafts, dim=1).squeeze(-1), torch.stack(probs, dim=1) if probs else None  # (B, k[, 1 + m])
+
+
+def cache_dtypes(model: Transformer) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype a model's KV cache is read in and the one it is stored in."""
+    cache = model.layers[0].attention.kv_cache
+    return cache.dtype, cache.k_cache.dtype
 
 
 class PromptLookup(Drafter):

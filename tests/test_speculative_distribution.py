@@ -9,6 +9,7 @@ law: a chi-square test over the outcomes (rare ones pooled), and no outcome of p
 The bound is on a p-value; the seed only makes a run reproducible.
 """
 
+import dataclasses
 import itertools
 import math
 import zlib
@@ -219,7 +220,14 @@ def random_head() -> DraftHead:
     return DraftHead(DraftHead.config_for(CONFIG, 6), torch.tensor([0, 1, 2, 3, 5, 7])).eval()
 
 
+def other_shape_draft() -> Transformer:
+    """A draft model of another shape than the target's: it keeps caches of its own."""
+    torch.manual_seed(3)
+    return Transformer(dataclasses.replace(CONFIG, n_layer=1)).eval()
+
+
 DRAFTERS = {"draft-model": lambda draft: DraftModel(draft), "prompt-lookup": lambda draft: PromptLookup(),
+            "draft-model-other-shape": lambda draft: DraftModel(other_shape_draft()),
             "lookup-every-other-round": lambda draft: LookupEveryOtherRound(),
             "draft-head": lambda draft: HeadDrafter(random_head()),
             "draft-model-alternatives": lambda draft: DraftModel(draft, alternatives=2),
@@ -227,6 +235,7 @@ DRAFTERS = {"draft-model": lambda draft: DraftModel(draft), "prompt-lookup": lam
 CASES = [  # drafter, sampling, speculate_k: k varies so that a row's 3 tokens take 1 to 3 rounds
     pytest.param("draft-model", "plain", 2, id="draft-model-T1-k2"),
     pytest.param("draft-model", "filtered", 3, id="draft-model-T0.7-topk5-topp0.9-k3"),
+    pytest.param("draft-model-other-shape", "plain", 3, id="draft-model-of-another-shape-T1-k3"),
     pytest.param("prompt-lookup", "plain", 4, id="prompt-lookup-T1-k4"),
     pytest.param("prompt-lookup", "filtered", 1, id="prompt-lookup-T0.7-topk5-topp0.9-k1"),
     pytest.param("lookup-every-other-round", "plain", 2, id="lookup-every-other-round-T1-k2"),
