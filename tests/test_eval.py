@@ -93,7 +93,7 @@ def test_choices_of_a_sliding_window_model_share_a_row_within_the_window():
     harness = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3)
     ids = torch.randint(2, 64, (80,)).tolist()
     question = ids[:6]
-    pairs = [(question, ids[6 + 3 * i: 9 + 3 * i]) for i in range(3)]  # a row of 6 + 3 * 3 - 1 positions
+    pairs = [(question, ids[6 + 3 * i: 9 + 3 * i]) for i in range(3)]  # a row of 6 + 3 * 2 positions
     pairs += [(ids[:40], ids[40:44]), (ids[50:53], ids[53:55]), (ids[50:53], ids[60:61])]
     choices = [(i, continuation) for i, (_, continuation) in enumerate(pairs[:3])]
     assert [len(members) for _, members in harness.rows({tuple(question): choices})] == [3]  # 12 positions

@@ -1,6 +1,7 @@
 """Speculative decoding: exactly the target's output, greedy token for token and sampled in distribution."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -221,6 +222,31 @@ def test_greedy_with_alternatives_is_plain_greedy(m, kv_cache_dtype):
                         stats=stats, kv_cache_dtype=kv_cache_dtype)
         assert [o.tolist() for o in spec] == plain
         assert stats["alternatives_kept"] > 5, stats
+
+
+@torch.no_grad()
+def test_a_draft_of_the_targets_shape_drafts_in_its_caches_rings_included():
+    """A draft model of the target's shape reads and writes the target's caches (sliding-window rings
+    included), another draft keeps its own: both give plain greedy, prompts longer than the window;
+    a copy of the target drafting in the target's caches has every draft kept."""
+    torch.manual_seed(0)
+    config = ModelArgs(vocab_size=64, n_layer=3, n_head=4, n_local_heads=2, dim=32, block_size=256,
+                       sliding_window=8, sliding_layers=[0, 2])
+    target, same_shape = Transformer(config).eval(), Transformer(config).eval()
+    other_shape = Transformer(dataclasses.replace(config, n_layer=1)).eval()
+    prompts = [torch.randint(0, 64, (40,)), torch.randint(0, 64, (13,))]
+    plain = generate(target, prompts, 30, temperature=0)
+    twin = copy.deepcopy(target)  # the target's weights in a model of its own
+    for draft, shares in ((same_shape, True), (twin, True), (other_shape, False)):
+        drafter = DraftModel(draft)
+        for k, chunk in ((1, 8), (4, 256), (7, 8)):
+            stats = {}
+            spec = generate(target, prompts, 30, temperature=0, drafter=drafter, speculate_k=k, prefill_chunk=chunk,
+                            stats=stats)
+            assert [s.tolist() for s in spec] == [p.tolist() for p in plain]
+            if draft is twin:
+                assert sum(stats["accepted_counts"][:-1]) == 0, stats
+        assert drafter.shares_caches == shares
 
 
 def test_alternatives_on_a_sliding_window_model_are_refused():
