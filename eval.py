@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from errors import UserError, run_cli
-from decode import key_positions, prompt_positions
+from decode import key_positions
 from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
@@ -202,6 +202,7 @@ class HarnessModel(HarnessLM):
         return batches
 
     def fits(self, batch: list) -> bool:
+        """Whether one forward may take these rows, the longest first (batches)."""
         longest_request = max(len(prefix) + len(targets) for prefix, members in batch for _, targets in members)
         trees = row_length(batch[0]) <= self.tree_length or all(len(members) == 1 for _, members in batch)
         return (trees and len(batch) <= self.batch_size
@@ -230,9 +231,9 @@ class HarnessModel(HarnessLM):
                 start = end
         device = next(self.model.parameters()).device
         # one forward whatever the length (a chunk of max_length): sliding-window rings then hold every
-        # position of the rows, and mask a tree within the window as a full cache does
+        # position of the rows, padding included, and mask a tree within the window as a full cache does
         self.model.setup_caches(R, T, chunk=self.max_length)
-        positions = prompt_positions(lengths, T, self.model.chunk)  # (R, T)
+        positions = torch.arange(T).expand(R, T)
         x = self.model.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, T),
                                      tree.to(device) if T <= self.tree_length else None)
         columns = torch.arange(T)

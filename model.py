@@ -209,6 +209,19 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
+    def share_caches(self, other: "Transformer") -> bool:
+        """Read and write other's KV caches (and sliding-window ring positions) from now on, instead of
+        this model's own, where they fit it: the same config, the same cache dtypes (a quantized copy,
+        both set up). Returns whether they do; this model's caches are left alone where they do not."""
+        mine, theirs = self.layers[0].attention.kv_cache, other.layers[0].attention.kv_cache
+        if self.config != other.config or (mine.dtype, mine.k_cache.dtype) != (theirs.dtype, theirs.k_cache.dtype):
+            return False
+        for layer, source in zip(self.layers, other.layers):
+            layer.attention.kv_cache = source.attention.kv_cache
+        if self.config.sliding_window:
+            self.ring_positions = other.ring_positions
+        return True
+
     def move_cache_entries(self, source: Tensor, target: Tensor):
         """Each row's keys and values at slot source (B,) are copied to slot target (B,), in every
         layer's full cache: a draft the tree verified in a slot of its own goes where its position is."""

@@ -78,13 +78,8 @@ class DraftModel(Drafter):
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
         self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
         self.last_position = cache_length - 1
-        self.shares_caches = self.model.config == target.config and cache_dtypes(self.model) == cache_dtypes(target)
-        if self.shares_caches:  # anew each call: the target's caches may have been made anew
-            for mine, theirs in zip(self.model.layers, target.layers):
-                mine.attention.kv_cache = theirs.attention.kv_cache
-            if target.config.sliding_window:
-                self.model.ring_positions = target.ring_positions
-        else:
+        self.shares_caches = self.model.share_caches(target)  # each call: the target's may be new ones
+        if not self.shares_caches:
             T = int(prompt_lengths.max())
             decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
 
@@ -111,12 +106,6 @@ class DraftModel(Drafter):
             drafts.append(with_alternatives(x, logits, self.alternatives))
             pos = pos[:, -1:] + 1
         return torch.stack(drafts, dim=1).squeeze(-1), torch.stack(probs, dim=1) if probs else None  # (B, k[, 1 + m])
-
-
-def cache_dtypes(model: Transformer) -> tuple[torch.dtype, torch.dtype]:
-    """The dtype a model's KV cache is read in and the one it is stored in."""
-    cache = model.layers[0].attention.kv_cache
-    return cache.dtype, cache.k_cache.dtype
 
 
 class PromptLookup(Drafter):
