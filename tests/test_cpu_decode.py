@@ -114,8 +114,9 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
 @torch.no_grad()
 def test_compiled_products_of_a_few_rows_read_the_packed_weight():
     """After pack(), a compiled bf16 product of 2 to FEW_ROWS rows is oneDNN's over its packed copy of
-    the weight (F.linear's result, bias included) and one row keeps the fused loop; pack() keeps a
-    current copy and makes a new one for a weight written in place."""
+    the weight (F.linear's result, bias included) and one row keeps the fused loop; so is an eager
+    product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new one for a
+    weight written in place."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
     cpu_decode.apply(linear)
@@ -135,6 +136,12 @@ def test_compiled_products_of_a_few_rows_read_the_packed_weight():
         x = torch.randn(1, rows, 64).bfloat16()
         torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     assert ["packed_linear" in graph.code for graph in graphs] == [False, True]
+    for rows in (1, 40):
+        x = torch.randn(2, rows, 64).bfloat16()
+        with torch.profiler.profile() as profile:
+            y = linear(x)
+        assert "fastllama::packed_linear" in [event.key for event in profile.key_averages()]
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, linear.weight, linear.bias))
     linear.weight.mul_(-1)
     cpu_decode.pack(linear)
     assert linear.packed is not first
