@@ -71,7 +71,7 @@ class HarnessModel(HarnessLM):
                  max_length: int | None = None, chat: bool = False):
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
-        cpu_decode.pack(model)  # a bf16 model on CPU scores through oneDNN's copy of its weights: 1.13x
+        cpu_decode.pack(model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (1.13x here)
         self.chat = chat
         self.max_length = max_length or model.config.block_size
         # the longest row of several requests: where the model has sliding-window layers, one that lies

@@ -112,7 +112,7 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels on this CPU")
 @torch.no_grad()
-def test_compiled_products_of_a_few_rows_read_the_packed_weight():
+def test_products_read_the_packed_weight_but_a_compiled_single_row():
     """After pack(), a compiled bf16 product of 2 to FEW_ROWS rows is oneDNN's over its packed copy of
     the weight (F.linear's result, bias included) and one row keeps the fused loop; so is an eager
     product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new one for a
