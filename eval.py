@@ -71,7 +71,6 @@ class HarnessModel(HarnessLM):
                  max_length: int | None = None, chat: bool = False):
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
-        cpu_decode.pack(model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (1.13x here)
         self.chat = chat
         self.max_length = max_length or model.config.block_size
         # the longest row of several requests: where the model has sliding-window layers, one that lies
@@ -165,6 +164,7 @@ class HarnessModel(HarnessLM):
             split = max(1, len(tokens) - len(continuation))
             by_prefix.setdefault(tuple(tokens[:split]), []).append((i, tokens[split:]))
         results = [None] * len(pairs)
+        cpu_decode.pack(self.model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (1.13x here)
         for batch in tqdm(self.batches(self.rows(by_prefix)), desc="scoring", unit="batch", leave=False):
             for (_, members), scored in zip(batch, self.logprobs(batch)):
                 start = 1  # scored[0]: after the prefix; then each member's branch, in order
