@@ -542,7 +542,7 @@ def depths_main(args):
     """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
     each model (--precision's and --quantized), in one cache sized for the deepest: a step's cost must
     follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
-    for it alone). Then prefill of the deepest prompt: tok/s and its peak memory beyond what the model
+    for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory beyond what the model
     holds. llama-bench (-d, and -p) beside them."""
     torch.manual_seed(0)
     model = load(args)
@@ -554,16 +554,18 @@ def depths_main(args):
     models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
+    bandwidth = copy_bandwidth_gbs(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
           f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after a "
-          f"random prompt of each depth, in a cache of {deepest_cache} positions")
+          f"random prompt of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
+          f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
     print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
           + f" {'prefill tok/s':>13} {'peak MB':>8}")
     rows = []
     for name, m in models:
         for kv in args.kv_cache_dtype:
             own = None
-            if 0 < shallow < depths[-1]:  # first, since setup_caches keeps a larger cache (compiles anew)
+            if 0 < shallow < depths[-1] and not args.no_own_cache:  # first: setup_caches keeps a larger cache
                 m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
                                kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
                 own = dict(depth=shallow, cache_positions=m.max_seq_length,
@@ -571,11 +573,13 @@ def depths_main(args):
             m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
             ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
             prefill_tok_s, peak_mb = prefill_at_depth(m, depths[-1], args)
+            mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
             row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
-                       ms_per_token=dict(zip(depths, ms)), prefill_tok_s=prefill_tok_s, prefill_peak_mb=peak_mb,
-                       own_cache=own)
+                       ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
+                       prefill_peak_mb=peak_mb, own_cache=own)
             print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
                   + f" {prefill_tok_s:13.1f} {peak_mb:8.1f}")
+            print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
             if own:
                 print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
                       f"{own['ms_per_token']:.2f} ms (in the deep cache: "
@@ -591,7 +595,7 @@ def depths_main(args):
               + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
         rows.append(row)
     if args.json:
-        write_record(args, depths=depths, rows=rows)
+        write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
 
 
 def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
@@ -639,6 +643,18 @@ def memory_in_use(device: str, peak: bool = False, reset_peak: bool = False) -> 
 
 def kv_cache_bytes(model: Transformer) -> int:
     return sum(buffer.nbytes for layer in model.layers for buffer in layer.attention.kv_cache.buffers())
+
+
+def bytes_read_per_step(model: Transformer, depth: int, n: int) -> float:
+    """The fewest bytes a decode step reads, on average over n steps after `depth` tokens: the weights
+    once, and the keys, values (and their scales) of the positions it attends to (a ring's at most)."""
+    positions = depth + (n + 1) / 2
+    kv = 0.0
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        slots = cache.k_cache.shape[2]
+        kv += sum(buffer.nbytes for buffer in cache.buffers()) / slots * min(positions, slots)
+    return gen.weight_bytes_per_token(model) + kv
 
 
 @torch.no_grad()
@@ -747,6 +763,8 @@ if __name__ == "__main__":
     p.add_argument("--depths", nargs="*", type=int, default=None, metavar="D",
                    help="instead: decode ms/token after D tokens of context, for each D (and prefill of the "
                         "deepest), per --kv_cache_dtype, for --precision's model or each --quantized one")
+    p.add_argument("--no-own-cache", action="store_true",
+                   help="with --depths: skip the first depth's run in a cache sized for it (two compiles a format)")
     p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
                    help="with --depths: the KV cache formats to measure")
     p.add_argument("--harness", nargs="?", default=None, metavar="TASK",
