@@ -603,6 +603,7 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
     step as generate() takes it; every run starts again from the same depth."""
     prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
     length = torch.tensor([prompt.shape[1]], device=args.device)
+    start = time.perf_counter()
     first = decode.prefill(model, prompt, length)
 
     def steps():
@@ -612,7 +613,13 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
             token = decode.decode_one_token(model, token, length[:, None] + i, keys)
 
     steps()  # compiles, the first time
-    return statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
+    gen.synchronize(args.device)
+    first_s = time.perf_counter() - start
+    ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
+    # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
+    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token (first "
+          f"prefill and pass {first_s:.1f} s, compiling included)", flush=True)
+    return ms
 
 
 def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:

@@ -140,11 +140,20 @@ def test_quantized_kernels_match_their_dequantized_weights(mode, n, k):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
 def test_quantized_models_decode_compiled(mode):
+    """Each token the compiled steps choose is the eager model's greedy one up to rounding: within 3% of
+    the logits' range of the best, the eager forward reading the compiled text. Not token equality:
+    random weights give near-ties (top-2 gaps of 0.001 in a range of 0.36), and int8's conversion fused
+    into the compiled product rounds differently from eager's (on an H200 the 4th token parted)."""
     model = quantized(random_model(), mode)
-    eager = generate(model, prompts([20])[0], 16, temperature=0)
+    prompt = prompts([20])[0]
     decode.compile_steps()
-    assert torch.equal(generate(model, prompts([20])[0], 16, temperature=0)[:24], eager[:24])
+    tokens = generate(model, prompt, 16, temperature=0)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    n = len(prompt)
+    logits = model(tokens[None, :-1], torch.arange(len(tokens) - 1, device="cuda"))[0, n - 1:].float()  # (16, V)
+    best, worst = logits.amax(-1), logits.amin(-1)
+    chosen = logits.gather(-1, tokens[n:, None]).squeeze(-1)
+    assert ((best - chosen) / (best - worst)).max() <= 0.03
 
 
 @torch.no_grad()
