@@ -35,6 +35,9 @@ from tp import maybe_init_distributed
 
 # the harness versions this adapter is tested with (tests/test_eval.py); others are refused
 TESTED_HARNESS = ((0, 4, 5), (0, 5))  # from 0.4.5 up to, not including, 0.5
+# fp32 log-probabilities scored at a time: glibc's malloc serves blocks up to 32 MiB from memory it keeps
+# (once such a block was freed); a larger one is mapped afresh each time, and faulted in page by page
+HEAD_SLICE_BYTES = 8 << 20
 
 try:
     from lm_eval.api.model import LM as HarnessLM
@@ -166,14 +169,13 @@ class HarnessModel(HarnessLM):
         results = [None] * len(pairs)
         cpu_decode.pack(self.model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (1.13x here)
         for batch in tqdm(self.batches(self.rows(by_prefix)), desc="scoring", unit="batch", leave=False):
-            for (_, members), scored in zip(batch, self.logprobs(batch)):
-                start = 1  # scored[0]: after the prefix; then each member's branch, in order
-                for i, targets in members:
-                    branch = len(targets) - 1
-                    own = torch.cat([scored[:1], scored[start: start + branch]])[: len(targets)]
-                    start += branch
-                    targets = torch.tensor(targets, dtype=torch.long)
-                    results[i] = (own.gather(-1, targets[:, None]).sum().item(), bool((own.argmax(-1) == targets).all()))
+            members = [member for _, row in batch for member in row]
+            logprob, greedy = self.scored_tokens(batch)  # (n,) each: the members' tokens, in order
+            owner = torch.repeat_interleave(torch.tensor([len(targets) for _, targets in members]))
+            sums = torch.zeros(len(members), dtype=torch.float64).index_add_(0, owner, logprob.double())
+            misses = torch.zeros(len(members), dtype=torch.long).index_add_(0, owner, (~greedy).long())
+            for (i, _), total, missed in zip(members, sums.tolist(), misses.tolist()):
+                results[i] = (total, missed == 0)
         return results
 
     def rows(self, by_prefix: dict) -> list[tuple[list[int], list]]:
@@ -194,7 +196,7 @@ class HarnessModel(HarnessLM):
     def batches(self, rows: list) -> list[list]:
         """The rows, longest first, in groups of at most batch_size rows whose padded tokens are no more
         than batch_size requests of the group's longest take without sharing (the HF backend's batch),
-        and that are no longer than tree_length or all hold one request (logprobs)."""
+        and that are no longer than tree_length or all hold one request (scored_tokens)."""
         batches = []
         for row in sorted(rows, key=row_length, reverse=True):
             if batches and self.fits(batches[-1] + [row]):
@@ -210,16 +212,20 @@ class HarnessModel(HarnessLM):
         return (trees and len(batch) <= self.batch_size
                 and len(batch) * row_length(batch[0]) <= self.batch_size * longest_request)
 
-    def logprobs(self, batch: list) -> list[torch.Tensor]:
-        """Log-probabilities of the next token after each row's prefix and after each token of its
-        branches, (1 + branch tokens, V) a row, in one forward: the rows right-padded, each a tree (a
-        padding token sees itself only; rows longer than tree_length, each one request, causal by
-        position instead); the output head runs on those positions only."""
+    def scored_tokens(self, batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token the batch's requests score, row by row and request by request: its
+        log-probability and whether it is the greedy choice, (n,) each, from one forward. The rows go
+        right-padded, each a tree (a padding token sees itself only; rows longer than tree_length, each
+        one request, causal by position instead), and the output head runs only at the positions that
+        predict a scored token: a row's last prefix position (every request's first token), then its
+        branches' tokens (each request's next ones)."""
         lengths = torch.tensor([row_length(row) for row in batch])
         R, T = len(batch), int(lengths.max())
         idx = torch.zeros(R, T, dtype=torch.long)
         tree = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)  # (R, T, T)
         prefix_lengths = torch.tensor([len(prefix) for prefix, _ in batch])
+        predicted_at, scored = [], []  # each scored token: the head's output that predicts it, and the token
+        head_outputs = 0  # of the rows before this one
         for r, (prefix, members) in enumerate(batch):
             P = len(prefix)
             idx[r, :P] = torch.tensor(prefix)
@@ -230,7 +236,11 @@ class HarnessModel(HarnessLM):
                 idx[r, start:end] = torch.tensor(targets[:-1], dtype=torch.long)
                 tree[r, start:end, :P] = True
                 tree[r, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+                # the first token after the prefix's last position, the others after the branch's own
+                predicted_at += [head_outputs] + [head_outputs + p - (P - 1) for p in range(start, end)]
+                scored += targets
                 start = end
+            head_outputs += start - (P - 1)
         device = next(self.model.parameters()).device
         # one forward whatever the length (a chunk of max_length): sliding-window rings then hold every
         # position of the rows, padding included, and mask a tree within the window as a full cache does
@@ -240,8 +250,18 @@ class HarnessModel(HarnessLM):
                                      tree.to(device) if T <= self.tree_length else None)
         columns = torch.arange(T)
         wanted = (columns >= prefix_lengths[:, None] - 1) & (columns < lengths[:, None])  # (R, T)
-        logprobs = self.model.logits(x[wanted.to(device)]).float().log_softmax(-1).cpu()  # (N, V)
-        return list(logprobs.split(wanted.sum(1).tolist()))
+        x = x[wanted.to(device)]  # (head_outputs, dim)
+        at, tokens = torch.tensor(predicted_at, device=device), torch.tensor(scored, device=device)
+        logprob = torch.empty(len(scored), device=device)
+        greedy = torch.empty(len(scored), dtype=torch.bool, device=device)
+        slice_rows = max(1, HEAD_SLICE_BYTES // (4 * self.model.config.vocab_size))
+        for start in range(0, len(x), slice_rows):  # the head on a slice of the rows at a time
+            logprobs = self.model.logits(x[start: start + slice_rows]).float().log_softmax(-1)  # (rows, V)
+            mine = (at >= start) & (at < start + slice_rows)
+            rows = at[mine] - start
+            logprob[mine] = logprobs[rows, tokens[mine]]
+            greedy[mine] = logprobs.argmax(-1)[rows] == tokens[mine]
+        return logprob.cpu(), greedy.cpu()
 
 
 def row_length(row: tuple[list[int], list]) -> int:

@@ -542,8 +542,8 @@ def depths_main(args):
     """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
     each model (--precision's and --quantized), in one cache sized for the deepest: a step's cost must
     follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
-    for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory beyond what the model
-    holds. llama-bench (-d, and -p) beside them."""
+    for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
+    beyond what the model holds. llama-bench (-d, and -p) beside them."""
     torch.manual_seed(0)
     model = load(args)
     depths, n = sorted(args.depths), args.max_new_tokens
