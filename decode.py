@@ -59,7 +59,10 @@ def sample_from(probs: Tensor) -> Tensor:
 
 def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
     """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
-    of each row, (B, 1)."""
+    of each row, (B, 1). Prompts of one token take the decode step: compiled prefill would otherwise
+    compile a graph for that length alone (a dynamic dimension of size 1 is specialized)."""
+    if idx.shape[1] == 1:
+        return decode_one_token(model, idx, torch.zeros_like(idx), key_positions(model, 1), **sampling)
     return sample(prefill_logits(model, idx, lengths)[:, 0], **sampling)
 
 

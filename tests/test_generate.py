@@ -84,18 +84,20 @@ def test_chunked_prefill_equals_one_forward(model_fp32):
 
 def test_compiled_prefill_compiles_once_for_prompts_of_any_length(monkeypatch):
     """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
-    shapes: prompts of several lengths, each filled in chunks, share one graph."""
+    shapes: prompts of several lengths, each filled in chunks, share one graph, and a one-token prompt
+    takes the decode step (a dynamic size of 1 would be specialized: a second graph)."""
     from model import ModelArgs, Transformer
 
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, block_size=128)).eval()
     graphs = []
     monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
         decode.prefill_chunk, fullgraph=True, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm))
-    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=8) for n in (10, 13, 20, 30)]
+    lengths = (1, 10, 13, 20, 30)
+    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=8) for n in lengths]
     assert len(graphs) == 1
     monkeypatch.undo()
     assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0,
-                                                      prefill_chunk=8).tolist() for n in (10, 13, 20, 30)]
+                                                      prefill_chunk=8).tolist() for n in lengths]
 
 
 @torch.no_grad()
