@@ -35,9 +35,11 @@ from tp import maybe_init_distributed
 
 # the harness versions this adapter is tested with (tests/test_eval.py); others are refused
 TESTED_HARNESS = ((0, 4, 5), (0, 5))  # from 0.4.5 up to, not including, 0.5
-# fp32 log-probabilities scored at a time: glibc's malloc serves blocks up to 32 MiB from memory it keeps
-# (once such a block was freed); a larger one is mapped afresh each time, and faulted in page by page
-HEAD_SLICE_BYTES = 8 << 20
+# The head's fp32 log-probabilities are made a slice of rows at a time, at most this many bytes. On CPU,
+# few enough for glibc's malloc to reuse the memory (it maps a block over 32 MiB afresh each time, then
+# faults it in page by page); on a GPU, rows enough for the head's product to read its weight once for
+# hundreds of them (2,000 of a 128k vocabulary).
+HEAD_SLICE_BYTES = dict(cpu=8 << 20, cuda=1 << 30)
 
 try:
     from lm_eval.api.model import LM as HarnessLM
@@ -254,7 +256,7 @@ class HarnessModel(HarnessLM):
         at, tokens = torch.tensor(predicted_at, device=device), torch.tensor(scored, device=device)
         logprob = torch.empty(len(scored), device=device)
         greedy = torch.empty(len(scored), dtype=torch.bool, device=device)
-        slice_rows = max(1, HEAD_SLICE_BYTES // (4 * self.model.config.vocab_size))
+        slice_rows = max(1, HEAD_SLICE_BYTES.get(device.type, 1 << 30) // (4 * self.model.config.vocab_size))
         for start in range(0, len(x), slice_rows):  # the head on a slice of the rows at a time
             logprobs = self.model.logits(x[start: start + slice_rows]).float().log_softmax(-1)  # (rows, V)
             mine = (at >= start) & (at < start + slice_rows)

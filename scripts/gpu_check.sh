@@ -2,7 +2,8 @@
 # The checks for a GPU machine, each part sized for one call of a lent GPU (about 9 minutes):
 #   bash scripts/gpu_check.sh tests    the CUDA test set (on an H200, 2026-11-26: the first 17 tests took 200 s)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
-#                                      with each KV cache format (issue 14); its first row took over 330 s there
+#                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14);
+#                                      its first row took over 330 s there, compiling included
 # Each part stops at its time limit (seconds: the second argument) and keeps what it printed in $OUT
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
@@ -24,7 +25,7 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
     timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda \
-      --depths 0 8192 32768 --kv_cache_dtype bf16 int8 fp8 --no-own-cache --max_new_tokens 64 --runs 3 \
+      --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16 int8 fp8} --no-own-cache --max_new_tokens 64 --runs 3 \
       --json "$OUT/llama-3.1-8b-depths.json" 2>&1 | tee "$OUT/llama-3.1-8b-depths.txt" ;;
 esac
 date -u

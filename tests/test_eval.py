@@ -69,6 +69,23 @@ def test_a_context_longer_than_the_model_keeps_its_end(harness_model, hf_model):
 
 
 @torch.no_grad()
+def test_the_head_a_few_rows_at_a_time_scores_as_all_at_once(monkeypatch):
+    """Log-probabilities made a slice of rows at a time (HEAD_SLICE_BYTES: rows shared by several
+    requests, and requests across slices) give the same scores and greedy flags as one slice."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, block_size=128)).eval()
+    harness = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=4)
+    ids = torch.randint(2, 64, (60,)).tolist()
+    greedy = generate(model, torch.tensor(ids[:10]), 5, temperature=0)[10:].tolist()
+    pairs = [(ids[:10], greedy), (ids[:10], ids[20:23]), (ids[30:41], ids[41:42]), (ids[:5], ids[50:58])]
+    whole = harness.score(pairs)
+    monkeypatch.setitem(ev.HEAD_SLICE_BYTES, "cpu", 3 * 4 * 64)  # 3 rows a slice
+    sliced = harness.score(pairs)
+    assert [hit for _, hit in sliced] == [hit for _, hit in whole] == [True, False, False, False]
+    assert [logprob for logprob, _ in sliced] == pytest.approx([logprob for logprob, _ in whole], rel=1e-6, abs=1e-6)
+
+
+@torch.no_grad()
 def test_ragged_requests_of_a_sliding_window_model_score_as_each_alone():
     """Prefixes whose lengths differ by more than a chunk: the short one's padding must not overwrite
     the keys its continuation still reads in the sliding-window ring."""
