@@ -147,7 +147,7 @@ def test_quantized_models_decode_compiled(mode):
     model = quantized(random_model(), mode)
     prompt = prompts([20])[0]
     decode.compile_steps()
-    tokens = generate(model, prompt, 16, temperature=0)
+    tokens = generate(model, prompt, 16, temperature=0).cuda()  # generate returns them on the host
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     n = len(prompt)
     logits = model(tokens[None, :-1], torch.arange(len(tokens) - 1, device="cuda"))[0, n - 1:].float()  # (16, V)
