@@ -49,10 +49,11 @@ class Drafter:
         first new token after each; states (B, T, dim), if read, the target's last layer at each prompt
         position."""
 
-    def propose(self, tokens: Tensor, lengths: Tensor, k: int, **sampling) -> tuple[Tensor, Tensor | None] | None:
+    def propose(self, tokens: Tensor, lengths: Tensor, k: int, **sampling) -> tuple[Tensor, Tensor | None] | int:
         """k drafts a row (B, k) and, when sampling, the drafter's probabilities for them (B, k, V), or
-        None for drafts it is sure of (all of their probability on the token). None instead of a pair:
-        no proposal this round, the target takes a plain step. With alternatives m > 0, the drafts are
+        None for drafts it is sure of (all of their probability on the token). An int n instead of a
+        pair: no proposal, the target takes n plain steps (1 <= n <= k + 1) in one round, whose
+        bookkeeping then costs once for all of them. With alternatives m > 0, the drafts are
         (B, k, 1 + m): at each depth the draft, then m other tokens (deterministic given the draft),
         which the target checks in its place; probabilities stay the draft's."""
         raise NotImplementedError
@@ -113,8 +114,9 @@ class PromptLookup(Drafter):
     of the last n-gram. On text that does not repeat itself it must cost next to nothing, so it lets
     the target take plain steps for a while when it finds nothing (1, 2, ... up to 8 steps, as the
     misses run on: a search costs ~3% of a plain step on a 2-core CPU) and when no row keeps two
-    drafts (one, when k is 1) of a proposal (2, 8, 32, then every 64 rounds: a rejected verify step
-    costs more than a plain one)."""
+    drafts (one, when k is 1) of a proposal (2, 8, 32, then every 64 steps: a rejected verify step
+    costs more than a plain one). It asks for them k + 1 at a time: a round's bookkeeping costs the
+    loop about as much as a search."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -124,17 +126,17 @@ class PromptLookup(Drafter):
         self.misses = 0  # searches in a row that found nothing
 
     def propose(self, tokens, lengths, k, **sampling):
-        if self.skip > 0:
-            self.skip -= 1
-            return None
         self.k = k
-        drafts, found = prompt_lookup(tokens, lengths, k, self.max_ngram, self.min_ngram)
-        if not found.any():
+        if self.skip == 0:
+            drafts, found = prompt_lookup(tokens, lengths, k, self.max_ngram, self.min_ngram)
+            if found.any():
+                self.misses = 0
+                return drafts, None
             self.misses += 1
-            self.skip = min(self.misses, 8)
-            return None
-        self.misses = 0
-        return drafts, None
+            self.skip = 1 + min(self.misses, 8)  # this step, then a pause one step longer each miss
+        steps = min(self.skip, k + 1)
+        self.skip -= steps
+        return steps
 
     def accepted(self, n, active, states):
         kept_enough = (n >= min(2, self.k)) & active  # two drafts, or the only one there was
@@ -341,17 +343,19 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         decode.stream(callback, cur, torch.ones_like(cur, dtype=torch.bool))
     accepted_counts = torch.zeros(k + 1, dtype=torch.long, device=device)
     alternatives_kept = torch.zeros((), dtype=torch.long, device=device)
-    offsets = torch.arange(k + 1, device=device)
-    plain_steps = 0
+    plain_step_count = 0
 
     while not done.all():  # host syncs a round, not a token
         keys = decode.key_positions(model, int(lengths.max()) + k + room)  # a verify step's last slot + 1
         proposal = drafter.propose(tokens, lengths, k, **sampling)
-        if proposal is None:
-            n = torch.zeros_like(lengths)
-            next_token = decode.decode_one_token(model, cur, (lengths - 1)[:, None], keys, **sampling)[:, 0]
-            drafts = cur.expand(-1, k)  # placeholders, none kept
-            plain_steps += 1
+        if isinstance(proposal, int):
+            if not 1 <= proposal <= k + 1:
+                raise UserError(f"{type(drafter).__name__} asked for {proposal} plain steps in a round; "
+                                f"a round takes 1 to speculate_k + 1 = {k + 1}")
+            steps = min(proposal, int(torch.where(done, 0, limit - lengths).max()))  # none past the last token
+            emitted = plain_steps(model, cur, lengths, steps, cache_length, keys, **sampling)  # (B, steps)
+            n, next_token = torch.full_like(lengths, steps - 1), emitted[:, -1]
+            plain_step_count += steps
         else:
             drafts, draft_probs = proposal  # drafts (B, k), or (B, k, 1 + m) with alternatives
             chain = drafts if drafts.dim() == 2 else drafts[..., 0]
@@ -362,10 +366,11 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             if room:
                 alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
             drafter.accepted(n, ~done, states)
-        # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
-        emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
+            # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
+            emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
         n = torch.where(done, -1, n)  # finished rows stand still
-        position = lengths[:, None] + offsets  # (B, k + 1): where each emitted token goes
+        offsets = torch.arange(emitted.shape[1], device=device)
+        position = lengths[:, None] + offsets  # (B, emitted): where each emitted token goes
         written = (offsets <= n[:, None]) & (position < limit[:, None])  # nothing past the requested length
         tokens.scatter_(1, position, torch.where(written, emitted, tokens.gather(1, position)))
         stopped = torch.isin(emitted, stops) & written
@@ -378,11 +383,22 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
 
     if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted (an alternative counts as
         # its draft); steps without drafts; with alternatives, the rounds that kept one
-        stats.update(accepted_counts=accepted_counts.tolist(), plain_steps=plain_steps)
+        stats.update(accepted_counts=accepted_counts.tolist(), plain_steps=plain_step_count)
         if room:
             stats.update(alternatives_kept=int(alternatives_kept))
     return [torch.cat([p.cpu(), decode.until_stop(row[len(p): end], stop_ids)])
             for p, row, end in zip(prompts, tokens.cpu(), lengths.tolist())]
+
+
+def plain_steps(model: Transformer, cur: Tensor, lengths: Tensor, n: int, cache_length: int, keys: Tensor,
+                **sampling) -> Tensor:
+    """n plain decode steps of the target after cur (B, 1), each row's last token (at lengths - 1):
+    the next n tokens (B, n). Positions past the cache are clamped to its last slot, as in verify."""
+    tokens = [cur]
+    for i in range(n):
+        position = (lengths - 1 + i).clamp(max=cache_length - 1)[:, None]
+        tokens.append(decode.decode_one_token(model, tokens[-1], position, keys, **sampling))
+    return torch.cat(tokens[1:], dim=1)
 
 
 def draft_step(drafter: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:

@@ -257,18 +257,31 @@ def test_alternatives_on_a_sliding_window_model_are_refused():
 
 
 def test_a_new_drafter_is_one_class():
-    """The loop knows no drafter's details: a drafter that always proposes the same tokens works."""
+    """The loop knows no drafter's details: a drafter that always proposes the same tokens works, and
+    one that leaves every other round to `steps` plain steps of the target (1 to k + 1)."""
     class Constant(speculative.Drafter):
+        def __init__(self, steps: int = 0):
+            self.steps, self.rounds = steps, 0
+
         def propose(self, tokens, lengths, k, **sampling):
+            self.rounds += 1
+            if self.steps and self.rounds % 2:
+                return self.steps
             return torch.full((len(lengths), k), 7, device=tokens.device), None
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=128)).eval()
     prompts = [torch.randint(0, 64, (n,)) for n in (5, 9)]
-    assert ([o.tolist() for o in generate(model, prompts, 12, temperature=0, drafter=Constant())]
-            == [o.tolist() for o in generate(model, prompts, 12, temperature=0)])
+    plain = [o.tolist() for o in generate(model, prompts, 12, temperature=0)]
+    for steps in (0, 1, 4):
+        stats = {}
+        out = generate(model, prompts, 12, temperature=0, drafter=Constant(steps), speculate_k=3, stats=stats)
+        assert [o.tolist() for o in out] == plain, steps
+        assert (stats["plain_steps"] > 0) == (steps > 0), stats
     with pytest.raises(UserError, match="drafter must be"):
         generate(model, prompts, 4, drafter="prompt_lookup")
+    with pytest.raises(UserError, match="a round takes 1 to speculate_k"):
+        generate(model, prompts, 4, drafter=Constant(5), speculate_k=3)
 
 
 def test_draft_with_another_vocabulary_is_refused(model_fp32, prompts):
@@ -292,19 +305,23 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
 
 
 def test_prompt_lookup_searches_less_while_it_finds_nothing(monkeypatch):
-    searches = []
+    searched_at = []  # the steps at which it searched
     search = speculative.prompt_lookup
-    monkeypatch.setattr(speculative, "prompt_lookup", lambda *a: searches.append(1) or search(*a))
+    monkeypatch.setattr(speculative, "prompt_lookup",
+                        lambda tokens, lengths, *a: searched_at.append(int(lengths) - 4) or search(tokens, lengths, *a))
     drafter = PromptLookup()
     tokens = torch.arange(40)[None]  # no n-gram repeats
     drafter.start(None, tokens, torch.tensor([4]), 40)
-    proposals = [drafter.propose(tokens, torch.tensor([4 + step]), k=3) for step in range(30)]
-    assert proposals == [None] * 30
-    assert len(searches) == 7  # at steps 0, 2, 5, 9, 14, 20, 27: each pause one step longer
-    tokens[0, 20:22] = tokens[0, 10:12]  # a repeat: found at the next search, which resets the pause
-    assert drafter.propose(tokens, torch.tensor([22]), k=3) is None  # still pausing
-    for _ in range(8):  # no pause is longer than 8 steps
-        if (proposal := drafter.propose(tokens, torch.tensor([22]), k=3)) is not None:
+    step, rounds = 0, []
+    while step < 30:  # a round: plain steps, the search's own and its pause's, at most k + 1 = 4
+        rounds.append(drafter.propose(tokens, torch.tensor([4 + step]), k=3))
+        step += rounds[-1]
+    assert searched_at == [0, 2, 5, 9, 14, 20, 27]  # each pause one step longer
+    assert rounds == [2, 3, 4, 4, 1, 4, 2, 4, 3, 4]
+    tokens[0, 30:32] = tokens[0, 10:12]  # a repeat: found at the next search, which resets the pause
+    assert drafter.skip > 0  # still pausing
+    for _ in range(3):  # no pause is longer than 8 steps, 4 a round
+        if not isinstance(proposal := drafter.propose(tokens, torch.tensor([32]), k=3), int):
             break
     assert proposal[0].tolist() == [[12, 13, 14]] and drafter.misses == 0
 

@@ -202,8 +202,9 @@ def laws(target):
 
 
 class LookupEveryOtherRound(PromptLookup):
-    """Prompt lookup that leaves every other round to a plain step of the target: within a row's
-    3 tokens, verify rounds and plain steps follow one another."""
+    """Prompt lookup that leaves every other round to two plain steps of the target: within a row's
+    3 tokens, verify rounds and plain steps follow one another, and a stop token may come between
+    the two plain steps of a round."""
 
     def start(self, *args, **kwargs):
         super().start(*args, **kwargs)
@@ -211,7 +212,7 @@ class LookupEveryOtherRound(PromptLookup):
 
     def propose(self, tokens, lengths, k, **sampling):
         self.round += 1
-        return None if self.round % 2 == 0 else super().propose(tokens, lengths, k, **sampling)
+        return 2 if self.round % 2 == 0 else super().propose(tokens, lengths, k, **sampling)
 
 
 def random_head() -> DraftHead:
