@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks for a GPU machine, each part sized for one call of a lent GPU (about 9 minutes):
-#   bash scripts/gpu_check.sh tests    the CUDA test set (on an H200, 2026-11-26: the first 17 tests took 200 s)
+#   bash scripts/gpu_check.sh tests    the CUDA test set (on an H200, 2026-11-26: the first 17 tests took 200 s;
+#                                      a third argument picks tests as pytest's -k does: "speculative or ladder")
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14);
-#                                      its first row took over 330 s there, compiling included
+#                                      on an H200 compiling took 105 s for the step and 169 s for prefill,
+#                                      and bf16's row over 330 s (prefill timing cut): one format a call (KV=int8)
 # Each part stops at its time limit (seconds: the second argument) and keeps what it printed in $OUT
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
@@ -21,7 +23,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 case $part in
   tests)
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # where the plugin is there
-    timeout "$limit" python3 -m pytest -m cuda -v -rs --tb=short $per_test --durations 0 tests/test_cuda.py 2>&1 \
+    timeout "$limit" python3 -m pytest -m cuda -v -rs --tb=short $per_test --durations 0 ${3:+-k "$3"} tests/test_cuda.py 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
     timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda \
