@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from errors import UserError
@@ -396,10 +397,11 @@ class Attention(nn.Module):
         B, nh, T, hd = q.shape
         n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]
         if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
-            if 1 < group and T <= FOLDED_ATTENTION_ROWS:
+            if 1 < group and statically_known_true(T <= FOLDED_ATTENTION_ROWS):
                 # a verify step: each k/v head with its group of query heads as the rows of one head, so
                 # that the kernel reads each key once a group, not once a query head (on CPU, 0.3-2.6% of
-                # a verify step at depth 100, 5-8% at depth 1000; prefill's chunks gained nothing so)
+                # a verify step at depth 100, 5-8% at depth 1000; prefill's chunks gained nothing so).
+                # Not where compiled prefill keeps T symbolic: a guard on it would split its one graph.
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
             return self.fused(q, k, v, mask)
