@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from model import Attention, ExpertLinears, Transformer
 
@@ -115,9 +116,9 @@ def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None
 
 def compiling_few_rows(x: Tensor) -> bool:
     """Whether x (..., k) is a few rows in compiled code. A symbolic row count (prefill compiled for
-    any length) is not: a loop over its rows would specialize the graph to it."""
-    rows = x.shape[:-1].numel()
-    return torch.compiler.is_compiling() and isinstance(rows, int) and rows <= FEW_ROWS
+    any length) is not, and must not be asked: a guard on it would give chunks of a few rows a graph
+    of their own (dynamo takes a symbolic count for an int)."""
+    return torch.compiler.is_compiling() and statically_known_true(x.shape[:-1].numel() <= FEW_ROWS)
 
 
 # oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)

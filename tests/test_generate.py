@@ -84,20 +84,23 @@ def test_chunked_prefill_equals_one_forward(model_fp32):
 
 def test_compiled_prefill_compiles_once_for_prompts_of_any_length(monkeypatch):
     """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
-    shapes: prompts of several lengths, each filled in chunks, share one graph, and a one-token prompt
-    takes the decode step (a dynamic size of 1 would be specialized: a second graph)."""
+    shapes: prompts of several lengths, each filled in chunks, share one graph, chunks of a few rows
+    (which one-row products and verify attention treat apart when their count is static) included, and
+    a one-token prompt takes the decode step (a dynamic size of 1 would be specialized: a second graph)."""
+    import cpu_decode
     from model import ModelArgs, Transformer
 
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, block_size=128)).eval()
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
+    cpu_decode.apply(model.eval())  # as load_model does
     graphs = []
     monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
         decode.prefill_chunk, fullgraph=True, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm))
-    lengths = (1, 10, 13, 20, 30)
-    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=8) for n in lengths]
+    lengths = (1, 10, 13, 20, 30, 40)  # chunks of 16, and last chunks of 4 to 14
+    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16) for n in lengths]
     assert len(graphs) == 1
     monkeypatch.undo()
     assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0,
-                                                      prefill_chunk=8).tolist() for n in lengths]
+                                                      prefill_chunk=16).tolist() for n in lengths]
 
 
 @torch.no_grad()
