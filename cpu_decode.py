@@ -80,7 +80,7 @@ def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
     if not torch.compiler.is_compiling():
         return torch.matmul(a, b)
     m = a.shape[-2]
-    if isinstance(m, int) and m <= ATTENTION_ROWS:  # not a symbolic count (prefill of any length)
+    if statically_known_true(m <= ATTENTION_ROWS):  # not a symbolic count (prefill of any length): no guard
         return rows_product(a, b)
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 

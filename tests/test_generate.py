@@ -82,7 +82,8 @@ def test_chunked_prefill_equals_one_forward(model_fp32):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_prefill_compiles_once_for_prompts_of_any_length(monkeypatch):
+@pytest.mark.parametrize("attention_softcap", [None, 50.0])  # soft-capped scores: attention written out
+def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_softcap, monkeypatch):
     """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
     shapes: prompts of several lengths, each filled in chunks, share one graph, chunks of a few rows
     (which one-row products and verify attention treat apart when their count is static) included, and
@@ -90,7 +91,8 @@ def test_compiled_prefill_compiles_once_for_prompts_of_any_length(monkeypatch):
     import cpu_decode
     from model import ModelArgs, Transformer
 
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
+                                  attention_softcap=attention_softcap))
     cpu_decode.apply(model.eval())  # as load_model does
     graphs = []
     monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
