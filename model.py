@@ -29,6 +29,11 @@ PREFILL_CHUNK = 256
 # each key/value head's query heads as the rows of one head (Attention.attend)
 FOLDED_ATTENTION_ROWS = 16
 
+# eager forwards on CPU over at most this many keys (eval.py's scoring rows, short prompts) write their
+# attention out: there the fused kernel's cost is mostly its fixed cost per call, ~70 us (8 rows of 30
+# positions, 9 heads: 0.41 ms fused, 0.23 written out; 120 positions: 3.0 against 1.8; equal at 256)
+SHORT_ATTENTION_KEYS = 128
+
 
 @dataclass
 class ModelArgs:
@@ -396,7 +401,8 @@ class Attention(nn.Module):
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
         n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]
-        if T > 1 and self.softcap is None:  # prefill and verify: PyTorch's fused kernel
+        few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
+        if T > 1 and self.softcap is None and not few_keys:  # prefill and verify: PyTorch's fused kernel
             if 1 < group and statically_known_true(T <= FOLDED_ATTENTION_ROWS):
                 # a verify step: each k/v head with its group of query heads as the rows of one head, so
                 # that the kernel reads each key once a group, not once a query head (on CPU, 0.3-2.6% of
@@ -405,8 +411,8 @@ class Attention(nn.Module):
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
             return self.fused(q, k, v, mask)
-        # written out (decoding, and soft-capped scores): each k/v head with its group of query heads
-        # as the rows of one product, so that no head's keys are repeated
+        # written out (decoding, soft-capped scores, few keys on CPU): each k/v head with its group of
+        # query heads as the rows of one product, so that no head's keys are repeated
         q = q.reshape(B, n_kv, group * T, hd)
         scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)
         scores = scores.view(B, n_kv, group, T, S).masked_fill(~mask.unsqueeze(2), float("-inf"))

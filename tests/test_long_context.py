@@ -8,7 +8,7 @@ from torch._inductor.compile_fx import compile_fx
 import cpu_decode
 import decode
 from errors import UserError
-from model import Attention, KVCache, ModelArgs, Transformer
+from model import SHORT_ATTENTION_KEYS, Attention, KVCache, ModelArgs, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
 
@@ -93,17 +93,19 @@ def test_an_fp8_cache_without_a_gpu_that_has_it_is_one_line():
 
 @pytest.mark.parametrize("n_kv", [1, 2, 8])
 @pytest.mark.parametrize("T", [1, 6, 16, 17, 40])
+@pytest.mark.parametrize("S", [96, 160])  # at most SHORT_ATTENTION_KEYS and more
 @torch.no_grad()
-def test_attention_of_every_form_matches_the_math_backend(n_kv, T):
-    """Written out (one row), the fused kernel given each key/value head's query heads as one head's
-    rows (verify steps, at most 16 rows) and as grouped heads (longer): the same attention, under a
-    cache mask, as PyTorch's math backend."""
+def test_attention_of_every_form_matches_the_math_backend(n_kv, T, S):
+    """Written out (one row, or few keys), the fused kernel given each key/value head's query heads as
+    one head's rows (verify steps, at most 16 rows) and as grouped heads (longer): the same attention,
+    under a cache mask, as PyTorch's math backend."""
+    assert 96 <= SHORT_ATTENTION_KEYS < 160
     torch.manual_seed(0)
     attention = Attention(ModelArgs(n_head=8, n_local_heads=n_kv, dim=512, vocab_size=64, n_layer=1))
     q = torch.randn(2, 8, T, 64)
-    k, v = (torch.randn(2, n_kv, 96, 64) for _ in range(2))
+    k, v = (torch.randn(2, n_kv, S, 64) for _ in range(2))
     positions = torch.tensor([[50], [70]]) + torch.arange(T)  # rows at different depths
-    mask = (torch.arange(96) <= positions[..., None]).unsqueeze(1)  # (B, 1, T, 96)
+    mask = (torch.arange(S) <= positions[..., None]).unsqueeze(1)  # (B, 1, T, S)
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
         reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != 8)
     torch.testing.assert_close(attention.attend(q, k, v, mask), reference, rtol=1e-5, atol=1e-5)
