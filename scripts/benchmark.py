@@ -678,12 +678,18 @@ def harness_main(args):
 
     checkpoint = gen.find_checkpoint(args.checkpoint_path)
     model = gen.load_model(checkpoint, args.device, args.precision)
-    ours = ev.HarnessModel(model, gen.get_tokenizer(checkpoint), str(checkpoint), args.eval_batch_size)
+    ours = ev.HarnessModel(model, gen.get_tokenizer(checkpoint), str(checkpoint), args.eval_batch_size,
+                           compile=args.eval_compile)
+    first_run = None
+    if args.eval_compile:  # its first run compiles: timed apart, before the runs compared
+        first_run = timed(lambda: ev.evaluate_tasks(ours, args.harness, args.limit, args.num_fewshot), args.device)
+        print(f"ours (eval.py --compile): the first run, compiling, took {first_run:.1f} s")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint.parent)  # from our copy of its files
     theirs = HFLM(pretrained=hf_model_from(model), tokenizer=hf_tokenizer, batch_size=args.eval_batch_size)
     print(f"\n{checkpoint}, {args.precision}, {args.device}, {torch.get_num_threads()} threads, task {args.harness}, "
           f"batch size {args.eval_batch_size}, limit {args.limit}, {args.num_fewshot or 0}-shot, median of {args.runs}")
-    backends = {"harness HF backend": theirs, "ours (eval.py)": ours}
+    mine = "ours (eval.py --compile)" if args.eval_compile else "ours (eval.py)"
+    backends = {"harness HF backend": theirs, mine: ours}
     calls = {name: timed_requests(lm, args.device) for name, lm in backends.items()}
     totals, results = {name: [] for name in backends}, {}
     for _ in range(args.runs):  # the two in turn, so that the machine's drift falls on both
@@ -702,12 +708,12 @@ def harness_main(args):
         print(f"{name:20} {n} requests scored in {scoring:6.2f} s: {n / scoring:6.1f} requests/s (the whole "
               f"harness run {rows[name]['whole_run_s']:6.2f} s), acc {task['acc,none']:.3f}, "
               f"acc_norm {task.get('acc_norm,none', 0):.3f}")
-    ratios = [hf / mine for (_, hf), (_, mine) in zip(calls["harness HF backend"], calls["ours (eval.py)"])]
+    ratios = [hf_s / our_s for (_, hf_s), (_, our_s) in zip(calls["harness HF backend"], calls[mine])]
     speedup = statistics.median(ratios)
     print(f"ours / the harness's HF backend: {speedup:.2f}x (median of the runs' ratios: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
     if args.json:
-        write_record(args, rows=rows, speedup=speedup, speedup_each_run=ratios)
+        write_record(args, rows=rows, speedup=speedup, speedup_each_run=ratios, compiling_run_s=first_run)
 
 
 def timed_requests(lm, device: str) -> list[tuple[int, float]]:
@@ -779,6 +785,8 @@ if __name__ == "__main__":
                    help="instead: requests/s of eval.py's harness adapter against the harness's HF backend on a "
                         "loglikelihood task (default: tasks/pydoc_cloze.yaml)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="with --harness")
+    p.add_argument("--eval_compile", action="store_true",
+                   help="with --harness: eval.py's --compile (its first run, which compiles, is timed apart)")
     p.add_argument("--limit", type=float, default=None, help="with --harness: examples of the task")
     p.add_argument("--num_fewshot", type=int, default=None, help="with --harness: examples before each question")
     p.add_argument("--speculative", action="store_true",

@@ -85,6 +85,34 @@ def test_the_head_a_few_rows_at_a_time_scores_as_all_at_once(monkeypatch):
     assert [logprob for logprob, _ in sliced] == pytest.approx([logprob for logprob, _ in whole], rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 16])
+@torch.no_grad()
+def test_compiled_scoring_is_one_graph_for_every_batch(sliding_window, monkeypatch):
+    """HarnessModel(compile=True): batches of other lengths and row counts (the last one short, padded
+    with empty rows) go through one graph, and score as the eager forward does. With a sliding window,
+    rows longer than the window (no tree, causal by position) take a second one."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
+                                  sliding_window=sliding_window, sliding_layers=[0])).eval()
+    ids = torch.randint(2, 64, (200,)).tolist()
+    pairs = [(ids[i: i + n], ids[i + n: i + n + m]) for i, (n, m) in enumerate(
+        [(30, 1), (25, 1), (20, 3), (12, 1), (9, 2), (5, 1), (3, 1)])]
+    pairs += [(ids[:12], [5]), (ids[:12], [7, 8])]  # choices of one question: one row
+    graphs = []
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kwargs: compile(
+        f, **kwargs, backend=lambda gm, inputs: graphs.append(gm) or gm))
+    compiled = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3, compile=True)
+    batches, make_batches = [], compiled.batches
+    monkeypatch.setattr(compiled, "batches", lambda rows: batches.extend(make_batches(rows)) or batches)
+    scores = compiled.score(pairs)
+    assert len(graphs) == (2 if sliding_window else 1)
+    assert len(batches) > 2 and min(len(batch) for batch in batches) < 3
+    eager = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3)
+    for (logprob, greedy), (expected, expected_greedy) in zip(scores, eager.score(pairs)):
+        assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-5) and greedy == expected_greedy
+
+
 @torch.no_grad()
 def test_ragged_requests_of_a_sliding_window_model_score_as_each_alone():
     """Prefixes whose lengths differ by more than a chunk: the short one's padding must not overwrite
