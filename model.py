@@ -30,8 +30,8 @@ PREFILL_CHUNK = 256
 FOLDED_ATTENTION_ROWS = 16
 
 # eager forwards on CPU over at most this many keys (eval.py's scoring rows, short prompts) write their
-# attention out: there the fused kernel's cost is mostly its fixed cost per call, ~70 us (8 rows of 30
-# positions, 9 heads: 0.41 ms fused, 0.23 written out; 120 positions: 3.0 against 1.8; equal at 256)
+# attention out: there the fused kernel's cost is mostly its fixed cost per call (8 rows of 30 positions,
+# 9 heads: 0.42-0.59 ms fused, 0.23-0.31 written out; of 120: 3.0-4.1 against 1.8-2.6; near even at 256)
 SHORT_ATTENTION_KEYS = 128
 
 
