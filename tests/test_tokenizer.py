@@ -169,7 +169,7 @@ def test_a_harness_chat_context_is_encoded_as_its_dialog(tmp_path, sentencepiece
 
     config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": LLAMA2_TEMPLATE}
     tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model, tokenizer_config=config))
-    model = SimpleNamespace(config=SimpleNamespace(block_size=256, sliding_window=None))
+    model = SimpleNamespace(config=SimpleNamespace(block_size=256, sliding_window=None), hidden_states=None)
     context, _ = ev.HarnessModel(model, tok, "chat", chat=True).encode_pair(tok.dialog_text(DIALOG), " Sure")
     assert context == tok.encode_dialog(DIALOG) and context.count(tok.bos_id) == 2  # one a user turn
     plain, _ = ev.HarnessModel(model, tok, "plain").encode_pair("Hi there", " Sure")
