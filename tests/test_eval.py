@@ -99,8 +99,8 @@ def test_compiled_scoring_is_one_graph_for_every_batch(sliding_window, monkeypat
         [(30, 1), (25, 1), (20, 3), (12, 1), (9, 2), (5, 1), (3, 1)])]
     pairs += [(ids[:12], [5]), (ids[:12], [7, 8])]  # choices of one question: one row
     graphs = []
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda f, **kwargs: compile(
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kwargs: real_compile(
         f, **kwargs, backend=lambda gm, inputs: graphs.append(gm) or gm))
     compiled = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3, compile=True)
     batches, make_batches = [], compiled.batches
