@@ -165,8 +165,8 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
         raise UserError(f"{path} is missing: convert the checkpoint with "
                         f"scripts/convert_hf_checkpoint.py --checkpoint_dir {path.parent}")
     try:
-        return ModelArgs.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:  # bad JSON, or fields that are not ModelArgs'
+        return ModelArgs(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # bad JSON, or fields that are not ModelArgs' (never dropped silently)
         raise UserError(f"{path} is not a readable model config ({e}): convert the checkpoint again")
 
 
@@ -186,7 +186,7 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     metadata = header_metadata(checkpoint_path)  # None for a file that is not safetensors: the reader says why
     foreign = metadata is not None and metadata.get("format") != FORMAT  # a Hugging Face file (any metadata or none)
     converted = checkpoint_path.parent / CHECKPOINT_NAME
-    if foreign and converted.is_file():
+    if foreign and converted.is_file() and converted != checkpoint_path:
         return resolve_checkpoint(converted)
     if foreign:
         raise UserError(f"{checkpoint_path} is not in this library's format (a Hugging Face file?): convert its "

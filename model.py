@@ -6,7 +6,7 @@ weights, and a few large matmuls read them faster than many small ones.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -91,12 +91,6 @@ class ModelArgs:
             self.moe_layers = list(range(self.n_layer))
         if self.n_experts and self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
-        """From our own `model_config.json` (which may hold other keys, e.g. the source)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -187,8 +181,7 @@ class Transformer(nn.Module):
             raise UserError(f"{max_seq_length} positions exceed the model's context length "
                             f"{self.config.block_size}: shorten the prompt or max_new_tokens")
         c = self.config
-        weight = self.output.weight
-        dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
+        weight, dtype = self.output.weight, self.activation_dtype()
         settings = (max_batch_size, chunk, kv_cache_dtype)
         # what else the caches and tables were made for: the model's dtype (it may change by .to()),
         # inference tensors or not (no_grad code cannot write into those), Phi-3's RoPE factors
@@ -219,17 +212,25 @@ class Transformer(nn.Module):
         self.register_buffer("embedding_scale", torch.tensor(c.embedding_scale, dtype=dtype, device=weight.device),
                              persistent=False)
 
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: its weights', its embeddings' where the linears are quantized."""
+        weight = self.output.weight
+        return weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
+
     def share_caches(self, other: "Transformer") -> bool:
-        """Read and write other's KV caches (and sliding-window ring positions) from now on, instead of
-        this model's own, where they fit it: the same config, the same cache dtypes (a quantized copy,
-        both set up). Returns whether they do; this model's caches are left alone where they do not."""
-        mine, theirs = self.layers[0].attention.kv_cache, other.layers[0].attention.kv_cache
-        if self.config != other.config or (mine.dtype, mine.k_cache.dtype) != (theirs.dtype, theirs.k_cache.dtype):
+        """Take other's KV caches (sliding-window rings included) and the position and RoPE tables made
+        with them as this model's own, where they fit it: the same config, dtype and device (a quantized
+        copy). Other must be set up; this model then needs no caches of its own. Returns whether they fit."""
+        if (self.config, self.activation_dtype(), self.output.weight.device) != (
+                other.config, other.activation_dtype(), other.output.weight.device):
             return False
         for layer, source in zip(self.layers, other.layers):
             layer.attention.kv_cache = source.attention.kv_cache
-        if self.config.sliding_window:
-            self.ring_positions = other.ring_positions
+        for name in ("positions", "ring_positions", "rope_cache", "local_rope_cache", "embedding_scale"):
+            if hasattr(other, name):  # the tables setup_caches made with the caches
+                self.register_buffer(name, getattr(other, name), persistent=False)
+        self.max_batch_size, self.chunk, self.kv_cache_dtype = other.max_batch_size, other.chunk, other.kv_cache_dtype
+        self.max_seq_length, self.made_for = other.max_seq_length, other.made_for
         return True
 
     def move_cache_entries(self, source: Tensor, target: Tensor):

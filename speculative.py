@@ -77,10 +77,10 @@ class DraftModel(Drafter):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
-        self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
         self.last_position = cache_length - 1
         self.shares_caches = self.model.share_caches(target)  # each call: the target's may be new ones
         if not self.shares_caches:
+            self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
             T = int(prompt_lengths.max())
             decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
 

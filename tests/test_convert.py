@@ -141,6 +141,9 @@ def test_a_hf_file_without_metadata_is_not_taken_for_ours(tmp_path):
         resolve_checkpoint(tmp_path / "model.safetensors")
     write_safetensors(tmp_path / CHECKPOINT_NAME, [single("w", torch.float32, (2,), lambda: torch.zeros(2))])
     assert resolve_checkpoint(tmp_path / "model.safetensors") == tmp_path / CHECKPOINT_NAME
+    save_file({"w": torch.zeros(2)}, tmp_path / CHECKPOINT_NAME)  # our file's name, not our format
+    with pytest.raises(UserError, match="convert its directory"):
+        resolve_checkpoint(tmp_path)
 
 
 def test_conversion_never_touches_source_files(tmp_path):

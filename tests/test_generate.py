@@ -1,5 +1,6 @@
 """Generation: batches, compiled decoding, sampling, and what the CLI says to bad input."""
 
+import json
 import subprocess
 import sys
 
@@ -262,8 +263,11 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
 def test_corrupt_model_config_is_one_line(tmp_path, bundled_checkpoint):
     for name in ("tokenizer.json", "tokenizer_config.json", bundled_checkpoint.name):
         (tmp_path / name).symlink_to((bundled_checkpoint.parent / name).resolve())
-    (tmp_path / CONFIG_NAME).write_text('{"dim": 576,')
-    assert "not a readable model config" in cli_error(["--checkpoint_path", str(tmp_path)])
+    config = json.loads((bundled_checkpoint.parent / CONFIG_NAME).read_text())
+    # cut short, not an object, a field this version does not know (a misspelled variant is never dropped)
+    for text in ('{"dim": 576,', "[576]", json.dumps({**config, "sliding_windw": 128})):
+        (tmp_path / CONFIG_NAME).write_text(text)
+        assert "not a readable model config" in cli_error(["--checkpoint_path", str(tmp_path)])
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model

@@ -249,6 +249,22 @@ def test_a_draft_of_the_targets_shape_drafts_in_its_caches_rings_included():
         assert drafter.shares_caches == shares
 
 
+@torch.no_grad()
+def test_a_draft_in_the_targets_caches_follows_them_when_they_are_made_anew():
+    """The target's caches remade smaller (another batch size) between two speculative calls: the
+    draft then reads the new ones through their own position table, and needs none of its own."""
+    torch.manual_seed(0)
+    config = ModelArgs(vocab_size=100, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=1024)
+    target = Transformer(config).eval()
+    drafter, prompt = DraftModel(copy.deepcopy(target)), torch.tensor([1, 2, 3, 4])
+    generate(target, prompt, 300, temperature=0, drafter=drafter)
+    generate(target, [prompt, prompt], 10, temperature=0)  # the target's caches: 2 rows, 64 positions
+    spec = generate(target, prompt, 10, temperature=0, drafter=drafter)
+    assert spec.tolist() == generate(target, prompt, 10, temperature=0).tolist()
+    assert drafter.model.positions is target.positions
+    assert drafter.model.layers[0].attention.kv_cache is target.layers[0].attention.kv_cache
+
+
 def test_alternatives_on_a_sliding_window_model_are_refused():
     config = ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=128, sliding_window=16)
     model = Transformer(config).eval()
