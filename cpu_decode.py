@@ -151,12 +151,22 @@ class FewRowLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
-        if self.packed is not None and x.dtype == torch.bfloat16 and not (few and x.shape[:-1].numel() == 1):
+        if self.packed_is_current() and x.dtype == torch.bfloat16 and not (few and x.shape[:-1].numel() == 1):
             return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
         if few:
             y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
         return linear_in(matmul_dtype(x), x, self.weight, self.bias).to(x.dtype)
+
+
+    def packed_is_current(self) -> bool:
+        """Whether there is a packed copy, made from the weight as it is now (one replaced or written in
+        place since is not: its products go through the plain weight). Compiled code takes the copy as
+        it finds it: the callers that compile products over it (speculative_generate, eval.py) pack()
+        before each use."""
+        if self.packed is None or torch.compiler.is_compiling():
+            return self.packed is not None
+        return self.packed_from == (self.weight.data_ptr(), self.weight._version)
 
 
 def pack(model: Transformer):

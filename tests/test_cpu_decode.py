@@ -116,7 +116,7 @@ def test_products_read_the_packed_weight_but_a_compiled_single_row():
     """After pack(), a compiled bf16 product of 2 to FEW_ROWS rows is oneDNN's over its packed copy of
     the weight (F.linear's result, bias included) and one row keeps the fused loop; so is an eager
     product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new one for a
-    weight written in place."""
+    weight written in place, and until it does, eager products read the weight as it is."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
     cpu_decode.apply(linear)
@@ -143,6 +143,8 @@ def test_products_read_the_packed_weight_but_a_compiled_single_row():
         assert "fastllama::packed_linear" in [event.key for event in profile.key_averages()]
         torch.testing.assert_close(y, torch.nn.functional.linear(x, linear.weight, linear.bias))
     linear.weight.mul_(-1)
+    x = torch.randn(2, 20, 64).bfloat16()
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     cpu_decode.pack(linear)
     assert linear.packed is not first
     x = torch.randn(1, cpu_decode.FEW_ROWS, 64).bfloat16()
