@@ -380,9 +380,11 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
         budget = min(max_new_tokens, context - len(prompt))
         if budget < 1:
             raise UserError(f"the dialog has reached its context of {context} positions (--context)")
-        # the cache holds the whole context from the first turn, so that compiled decoding never
-        # recompiles for a longer one; a step reads only the dialog's slots (decode.key_positions)
-        model.setup_caches(1, context, options["prefill_chunk"], options["kv_cache_dtype"])
+        # the cache holds the whole context from the first turn (as generate() pads it), so that
+        # compiled decoding never recompiles for a longer one; a step reads only the dialog's slots
+        # (decode.key_positions)
+        model.setup_caches(1, decode.padded_length(context, model.config.block_size), options["prefill_chunk"],
+                           options["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 

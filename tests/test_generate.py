@@ -10,6 +10,7 @@ import torch
 import cpu_decode
 import decode
 import generate as gen
+import model
 from checkpoint import CONFIG_NAME
 from decode import logits_to_probs, sample
 from errors import UserError, run_cli
@@ -358,6 +359,13 @@ def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
             gen.run(gen.parse_args(["--interactive", "--context", context, "--precision", "fp32"]))
     with pytest.raises(UserError, match="--context sizes the cache of --interactive"):
         gen.run(gen.parse_args(["--context", "64"]))
+    # a context that is not a multiple of 64, filled to its end: the cache made at the first turn is kept
+    made, make = [], model.KVCache.__init__
+    monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args) or make(self, *args))
+    with pytest.raises(UserError, match="reached its context of 100 positions"):
+        gen.run(gen.parse_args(["--interactive", "--context", "100", "--precision", "fp32", "--max_new_tokens", "200",
+                                "--ignore_eos"]))
+    assert len(made) == gen.load_config(gen.find_checkpoint(None)).n_layer, [args[1] for args in made]
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
