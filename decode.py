@@ -1,8 +1,9 @@
 """The steps of decoding, shared by generate.py and speculative.py: from logits to tokens (sampling),
 prefill, the one-token step, and the cache length both size their caches by.
 
-`compile_steps()` replaces the two steps with compiled ones; callers reach them as `decode.prefill`
-and `decode.decode_one_token`, so that they get whichever is current.
+`compile_steps()` replaces the one-token step, and optionally prefill's forward of one chunk, with
+compiled ones; callers reach them as `decode.decode_one_token` and `decode.prefill_chunk` (through
+`decode.prefill`), so that they get whichever is current.
 """
 
 import functools
@@ -129,7 +130,8 @@ def key_positions(model: Transformer, n: int) -> Tensor:
 
 def compile_steps(dynamic_prefill: bool = False):
     """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill's forward of one chunk
-    for any chunk length. Once per process: they stay compiled for every model."""
+    for any chunk length. They stay compiled for every model: a step compiled already is left as it is
+    (a compiled function, like the copying wrapper, keeps the one it wraps as __wrapped__)."""
     global decode_one_token, prefill_chunk
     # On GPU, inductor turns a one-row matmul into a multiply-and-sum (torch/_inductor/decomposition.py,
     # mm) only with coordinate-descent tuning on: a matrix-vector kernel that reaches the memory's
@@ -141,9 +143,10 @@ def compile_steps(dynamic_prefill: bool = False):
     # a CUDA graph per count of key blocks read (key_positions) is the design, not a mistake to warn of
     torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
     # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
-    decode_one_token = copied_out(torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
-                                                dynamic=False))
-    if dynamic_prefill:
+    if not hasattr(decode_one_token, "__wrapped__"):
+        decode_one_token = copied_out(torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
+                                                    dynamic=False))
+    if dynamic_prefill and not hasattr(prefill_chunk, "__wrapped__"):
         prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
 
 

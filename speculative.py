@@ -550,9 +550,10 @@ def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor, al
 
 def compile_steps():
     """Compile the draft model's step, the head's and the target's verify step, each with fixed shapes
-    (CUDA graphs on GPU)."""
+    (CUDA graphs on GPU); once, as decode.compile_steps."""
     global draft_step, target_step, head_step
     draft_step, head_step, target_step = (
+        step if hasattr(step, "__wrapped__") else
         decode.copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
         for step in (draft_step, head_step, target_step))
 
