@@ -50,6 +50,8 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     load the weights into it in place (`assign=True`): neither a randomly initialized nor a bf16 copy
     of a quantized model ever exists. None means the bundled model. With world_size > 1 (tp.py), this
     rank's slice of the model, reading only its slice of the weights."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
     checkpoint_path = find_checkpoint(checkpoint_path)
     device = device or default_device()
     model, select = empty_model(load_config(checkpoint_path), quantize.read_scheme(read_metadata(checkpoint_path)),
@@ -126,7 +128,7 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     near-tie between two tokens can resolve either way and the texts part from there."""
     single = isinstance(prompt_tokens, Tensor)
     prompts = [prompt_tokens] if single else list(prompt_tokens)
-    check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, model.config.block_size)
+    check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, model.config)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     if drafter is not None:
         outputs = speculative.speculative_generate(model, prompts, max_new_tokens, drafter, speculate_k=speculate_k,
@@ -172,11 +174,15 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     return outputs[0] if single else outputs
 
 
-def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, context: int):
+def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, config: ModelArgs):
     if not prompts:
         raise UserError("no prompts given")
-    if any(p.ndim != 1 or len(p) == 0 for p in prompts):
-        raise UserError("each prompt must be a non-empty 1-D tensor of token ids")
+    if any(not isinstance(p, Tensor) or p.ndim != 1 or len(p) == 0 for p in prompts):
+        raise UserError("each prompt must be a non-empty 1-D tensor of token ids (a list of them for a batch)")
+    if any(p.min() < 0 or p.max() >= config.vocab_size for p in prompts):
+        raise UserError(f"a prompt holds token ids outside this model's vocabulary (0 to {config.vocab_size - 1}): "
+                        f"encode it with the model's own tokenizer")
+    context = config.block_size
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
@@ -252,7 +258,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     tokenizer = get_tokenizer(checkpoint_path)
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    drafter = load_drafter(args, checkpoint_path, model, device, rank, world_size)
+    drafter = load_drafter(args, checkpoint_path, model, device, world_size)
     if args.compile:
         decode.compile_steps(dynamic_prefill=args.compile_prefill)
         if drafter is not None:
@@ -325,7 +331,7 @@ def check_run_args(args, device: str, world_size: int):
         raise UserError("the prompt is empty")
 
 
-def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str, rank: int = 0,
+def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str,
                  world_size: int = 1) -> speculative.Drafter | None:
     """The drafter of --draft / --draft_checkpoint_path, or None. A draft model is replicated on
     every rank under torchrun (it is small)."""

@@ -216,8 +216,13 @@ def test_generate_rejects_bad_arguments(model_fp32):
                             (dict(kv_cache_dtype=torch.int16), "KV cache of torch.int16 is not supported")]:
         with pytest.raises(UserError, match=message):
             generate(model_fp32, prompt, 4, **kwargs)
-    with pytest.raises(UserError, match="non-empty"):
-        generate(model_fp32, torch.tensor([], dtype=torch.long), 4)
+    for bad in (torch.tensor([], dtype=torch.long), [1, 2, 3]):  # empty; token ids not in a tensor
+        with pytest.raises(UserError, match="non-empty 1-D tensor"):
+            generate(model_fp32, bad, 4)
+    with pytest.raises(UserError, match="outside this model's vocabulary"):
+        generate(model_fp32, [prompt, torch.tensor([model_fp32.config.vocab_size])], 4)
+    with pytest.raises(UserError, match="unknown precision 'bfloat16'"):
+        load_model(None, "cpu", "bfloat16")
     with pytest.raises(UserError, match="context length"):
         generate(model_fp32, prompt, model_fp32.config.block_size)
 
