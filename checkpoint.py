@@ -94,7 +94,8 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.
     select(name, shape), if given, names the pieces of a tensor to read and concatenate, as
-    (dim, [(start, stop), ...]), or None for all of it (tensor parallelism reads its own rows only).
+    (dim, [(start, stop), ...]), or None for all of it (tensor parallelism keeps its own slice: rows are
+read alone, a slice of columns is cut from the whole tensor, one tensor at a time).
 
     Read with plain reads into fresh memory, one tensor at a time, rather than memory-mapped: the
     file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,

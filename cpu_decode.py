@@ -73,7 +73,7 @@ def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
     return rows_product(rows, weight.t()).view(*x.shape[:-1], -1)
 
 
-def fused_matmul(a: Tensor, b: Tensor) -> Tensor:
+def attention_product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode
     step's m rows, the query heads that share a key/value head, go through rows_product: each key and
     value read once for all of them."""
@@ -196,6 +196,6 @@ def apply(model: Transformer):
         if type(module) is nn.Linear:
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
-            module.matmul = fused_matmul
+            module.matmul = attention_product
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -49,7 +49,7 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     """Build the model on the meta device, swap in quantized modules if the checkpoint says so, and
     load the weights into it in place (`assign=True`): neither a randomly initialized nor a bf16 copy
     of a quantized model ever exists. None means the bundled model. With world_size > 1 (tp.py), this
-    rank's slice of the model, reading only its slice of the weights."""
+    rank's slice of the model, holding only its slice of the weights."""
     if precision not in PRECISIONS:
         raise UserError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
     checkpoint_path = find_checkpoint(checkpoint_path)

@@ -22,16 +22,17 @@ from errors import UserError
 # results with few key/value heads.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# positions a forward takes at a time into a sliding-window layer's ring (Transformer.setup_caches)
+# positions a forward takes at a time: prefill's chunk (decode.prefill_logits), and what a sliding-window
+# layer's ring holds beyond its window (Transformer.setup_caches)
 PREFILL_CHUNK = 256
 
 # forwards of at most this many positions (verify steps, draft trees) give the fused attention kernel
 # each key/value head's query heads as the rows of one head (Attention.attend)
 FOLDED_ATTENTION_ROWS = 16
 
-# eager forwards on CPU over at most this many keys (eval.py's scoring rows, short prompts) write their
-# attention out: there the fused kernel's cost is mostly its fixed cost per call (8 rows of 30 positions,
-# 9 heads: 0.42-0.59 ms fused, 0.23-0.31 written out; of 120: 3.0-4.1 against 1.8-2.6; near even at 256)
+# eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation whose
+# whole cache is this short) write their attention out: there the fused kernel's cost is mostly its fixed
+# cost per call (benchmarks/RESULTS.md, "Scoring: short attention written out"; near even at 256 keys)
 SHORT_ATTENTION_KEYS = 128
 
 
