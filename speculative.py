@@ -197,14 +197,15 @@ def load_head(path: Path, target: Transformer) -> DraftHead:
         raise UserError(f"no draft head at {path}: {train}")
     weight = target.tok_embeddings.weight
     tensors, metadata = read_safetensors(path, weight.device, weight.dtype)
-    if "draft_head" not in metadata:
-        raise UserError(f"{path} is not a draft head: {train}")
-    trained_for = json.loads(metadata["target"])
+    try:
+        config, trained_for = ModelArgs(**json.loads(metadata["draft_head"])), json.loads(metadata["target"])
+    except (KeyError, ValueError, TypeError) as e:  # not a head, or one another version wrote
+        raise UserError(f"{path} is not a draft head this version reads ({e!r}): {train}")
     mine = dict(vocab_size=target.config.vocab_size, dim=target.config.dim)
     if trained_for != mine:
         raise UserError(f"the draft head {path} was trained for a model with {trained_for}, not this one's "
                         f"{mine}: {train}")
-    head = DraftHead(ModelArgs(**json.loads(metadata["draft_head"])), tensors["vocab"])
+    head = DraftHead(config, tensors["vocab"])
     head.load_state_dict(tensors, assign=True)
     return head.eval()
 

@@ -103,14 +103,14 @@ def target_states(target: Transformer, windows: Tensor, batch: int) -> Tensor:
 
     n, W = windows.shape
     target.setup_caches(batch, W)
-    states = torch.empty(n, W, target.config.dim, dtype=target.tok_embeddings.weight.dtype)
+    device = target.tok_embeddings.weight.device
+    states = torch.empty(n, W, target.config.dim, dtype=target.tok_embeddings.weight.dtype)  # kept on the host
+    pos = torch.arange(W, device=device).expand(batch, -1)
     for i in tqdm(range(0, n, batch), desc="reading the text with the target", unit="batch"):
-        rows = windows[i: i + batch]
-        pos = torch.arange(W).expand(len(rows), -1)
+        rows = windows[i: i + batch].to(device)
         if len(rows) < batch:  # the cache's batch size is fixed: pad the last batch
             rows = torch.cat([rows, rows[:1].expand(batch - len(rows), -1)])
-            pos = torch.arange(W).expand(batch, -1)
-        states[i: i + batch] = target.hidden_states(rows, pos)[: min(batch, n - i)]
+        states[i: i + batch] = target.hidden_states(rows, pos)[: min(batch, n - i)].cpu()
     return states
 
 
@@ -121,11 +121,13 @@ def losses(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor,
     (in units of `scale`, the states' RMS: a model's states may be large), the cross-entropy against
     the target's probabilities over the head's vocabulary, and the share of positions where the
     head's top token is the target's top token among that vocabulary."""
+    device = target.tok_embeddings.weight.device
+    tokens, states = tokens.to(device), states.to(device)
     B, W = tokens.shape
     inputs = states[:, :-1].float()
     if noise:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * scale
-    pos = torch.arange(1, W).expand(B, -1)
+    pos = torch.arange(1, W, device=device).expand(B, -1)
     logits, predicted = head(target, tokens[:, 1:], inputs, pos)  # at positions 1..W-1
     for layer in head.layers:  # the cache's writes must not tie one step's graph to the next
         layer.attention.kv_cache.k_cache.detach_()
@@ -146,6 +148,9 @@ def train(args) -> list[float]:
 
     torch.manual_seed(0)
     target = gen.load_model(args.checkpoint_path, args.device, args.precision).requires_grad_(False)
+    if not target.output.weight.is_floating_point():  # the head starts from, and learns, the output layer's rows
+        raise UserError(f"{gen.find_checkpoint(args.checkpoint_path)} is quantized: train the head on the "
+                        f"checkpoint it was quantized from (the head drafts for its quantized copies too)")
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
     if args.text is not None:
         if not Path(args.text).is_file():

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import quantize
 import speculative
-from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, single, write_safetensors
+from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, read_safetensors, single, write_safetensors
 from errors import UserError
 from generate import generate, get_tokenizer, load_model
 from model import ModelArgs, Transformer
@@ -109,6 +110,12 @@ def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, 
         speculative.load_head(tmp_path / "nothing.safetensors", model_fp32)
     with pytest.raises(UserError, match="is not a draft head"):
         speculative.load_head(tiny_checkpoint, model_fp32)
+    tensors, metadata = read_safetensors(path)
+    config = json.loads(metadata["draft_head"])
+    groups = [single(n, t.dtype, t.shape, lambda t=t: t) for n, t in tensors.items()]
+    write_safetensors(tmp_path / "other.safetensors", groups, {**metadata, "draft_head": json.dumps({**config, "later": 1})})
+    with pytest.raises(UserError, match="is not a draft head this version reads"):
+        speculative.load_head(tmp_path / "other.safetensors", model_fp32)
     shutil.copytree(tiny_checkpoint.parent, tmp_path / "copy")
     (tmp_path / "copy" / speculative.HEAD_NAME).unlink()
     result = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(tmp_path / "copy" / CHECKPOINT_NAME),
@@ -124,6 +131,10 @@ def test_too_few_windows_to_train_on_is_one_line(tiny_checkpoint, tmp_path):
     args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
                                         "--window", "64", "--max_windows", "8", "--precision", "fp32"])
     with pytest.raises(UserError, match="8 windows of 64 tokens leave fewer than --batch_size 8 to train on"):
+        train_draft_head.train(args)
+    int8 = quantize.quantize(tiny_checkpoint, "int8", output=tiny_checkpoint.parent / "fastllama_int8.safetensors")
+    args = train_draft_head.parse_args(["--checkpoint_path", str(int8), "--text", str(text), "--precision", "fp32"])
+    with pytest.raises(UserError, match="is quantized: train the head on the checkpoint it was quantized from"):
         train_draft_head.train(args)
 
 
