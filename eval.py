@@ -73,16 +73,17 @@ class HarnessModel(HarnessLM):
     each context through apply_chat_template first, and a template's rendering brings its own BOS."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str, batch_size: int = 8,
-                 max_length: int | None = None, chat: bool = False, compile: bool = False):
+                 max_length: int | None = None, chat: bool = False, compile: bool = False,
+                 kv_cache_dtype: torch.dtype | None = None):
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
-        self.chat = chat
+        self.chat, self.kv_cache_dtype = chat, kv_cache_dtype  # the cache's dtype (None: the model's)
         # compile: the scoring forward compiled once for rows of any length (its first batch compiles,
         # a minute or more on a small CPU; with a sliding window, rows longer than it once more); every
         # batch then takes batch_size rows, the last padded with empty ones, since a new row count would
         # compile again (batches)
         self.compiled = compile
-        self.forward = torch.compile(model.hidden_states, dynamic=True) if compile else model.hidden_states
+        self.hidden_states = torch.compile(model.hidden_states, dynamic=True) if compile else model.hidden_states
         self.max_length = max_length or model.config.block_size
         # the longest row of several requests: where the model has sliding-window layers, one that lies
         # in the window, so that their rings mask as its tree does (Transformer.blocks)
@@ -127,7 +128,8 @@ class HarnessModel(HarnessLM):
             for batch in batched(members, self.batch_size):
                 prompts = [torch.tensor(self.encode_context(context)[-(self.max_length - max_new):])
                            for _, context in batch]
-                outputs = generate(self.model, prompts, max_new, stop_ids=self.tokenizer.stop_ids, **sampling)
+                outputs = generate(self.model, prompts, max_new, stop_ids=self.tokenizer.stop_ids,
+                                   kv_cache_dtype=self.kv_cache_dtype, **sampling)
                 for (i, _), prompt, output in zip(batch, prompts, outputs):
                     results[i] = cut_at_stops(self.tokenizer.decode(output[len(prompt):].tolist()), until)
         return results
@@ -170,11 +172,14 @@ class HarnessModel(HarnessLM):
         longest of them. (The harness's HF backend shares a forward only between one-token choices.)
         With sliding-window layers, a row of several requests fits in the window (tree_length)."""
         by_prefix = {}  # prefix -> [(request, the tokens it scores)]
+        results = [None] * len(pairs)
         for i, (context, continuation) in enumerate(pairs):
+            if not continuation:  # nothing to score: probability 1, which greedy decoding gives (as the HF backend)
+                results[i] = (0.0, True)
+                continue
             tokens = (context + continuation)[-(self.max_length + 1):]
             split = max(1, len(tokens) - len(continuation))
             by_prefix.setdefault(tuple(tokens[:split]), []).append((i, tokens[split:]))
-        results = [None] * len(pairs)
         cpu_decode.pack(self.model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (1.13x here)
         for batch in tqdm(self.batches(self.rows(by_prefix)), desc="scoring", unit="batch", leave=False):
             members = [member for _, row in batch for member in row]
@@ -255,9 +260,9 @@ class HarnessModel(HarnessLM):
         device = next(self.model.parameters()).device
         # one forward whatever the length (a chunk of max_length): sliding-window rings then hold every
         # position of the rows, padding included, and mask a tree within the window as a full cache does
-        self.model.setup_caches(R, T, chunk=self.max_length)
+        self.model.setup_caches(R, T, chunk=self.max_length, kv_cache_dtype=self.kv_cache_dtype)
         positions = torch.arange(T).expand(R, T)
-        x = self.forward(idx.to(device), positions.to(device), key_positions(self.model, T),
+        x = self.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, T),
                          tree.to(device) if T <= self.tree_length else None)
         columns = torch.arange(T)
         wanted = (columns >= prefix_lengths[:, None] - 1) & (columns < lengths[:, None])  # (R, T)
@@ -363,18 +368,19 @@ def main(args):
     rank, world = maybe_init_distributed(args.device)
     model = load_model(args.checkpoint_path, args.device, args.precision, rank, world)
     tokenizer = get_tokenizer(args.checkpoint_path)
+    kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision]
     if not args.tasks:
         text = Path(args.text_file).read_text(errors="replace") if args.text_file else python_docs_text("held-out")
         tokens = torch.tensor(tokenizer.encode(text)[: args.max_tokens])
         ppl = perplexity(model, tokens, args.seq_len, args.batch_size, progress=rank == 0,
-                         kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
+                         kv_cache_dtype=kv_cache_dtype)
         if rank == 0:
             print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {len(tokens)} tokens "
                   f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
         return ppl
     name = str(args.checkpoint_path or "bundled SmolLM2-135M-Instruct")
     lm = HarnessModel(model, tokenizer, name, args.batch_size, args.max_length, chat=args.apply_chat_template,
-                      compile=args.compile)
+                      compile=args.compile, kv_cache_dtype=kv_cache_dtype)
     results = evaluate_tasks(lm, args.tasks, args.limit, args.num_fewshot, args.apply_chat_template)
     if rank == 0:
         from lm_eval.utils import make_table
@@ -412,4 +418,6 @@ if __name__ == "__main__":
         p.error("--text_file is for perplexity; harness tasks bring their own data")
     if args.compile and not args.tasks:
         p.error("--compile is for harness tasks (--tasks)")
+    if args.seq_len < 2:
+        p.error("--seq_len must be at least 2 (a window's first token predicts the next)")
     run_cli(main, args)

@@ -52,6 +52,21 @@ def test_loglikelihood_equals_hf_and_a_batch_equals_each_alone(harness_model, hf
     greedy = harness_model.generate_until(requests([(context, {"until": ["\n"], "max_gen_toks": 3})]))[0]
     assert harness_model.loglikelihood(requests([(context, greedy), (context, " Berlin")]))[0][1] is True
     assert harness_model.loglikelihood(requests([(context, " Berlin")]))[0][1] is False
+    # an empty continuation has probability 1, which greedy decoding gives, and leaves its batch as it was
+    empty, berlin = harness_model.loglikelihood(requests([(context, ""), (context, " Berlin")]))
+    assert empty == (0.0, True) and berlin == harness_model.loglikelihood(requests([(context, " Berlin")]))[0]
+
+
+def test_scoring_and_generation_keep_keys_and_values_in_the_cache_dtype_asked_for(harness_model):
+    int8 = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", batch_size=3,
+                           kv_cache_dtype=torch.int8)
+    scaled = int8.loglikelihood(requests(REQUESTS[:3]))
+    assert harness_model.model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
+    full = harness_model.loglikelihood(requests(REQUESTS[:3]))
+    for (logprob, _), (reference, _) in zip(scaled, full):
+        assert logprob != reference and logprob == pytest.approx(reference, rel=0.05, abs=0.05)
+    int8.generate_until(requests([("The capital of France is", {"until": ["\n"], "max_gen_toks": 3})]))
+    assert harness_model.model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
 
 
 def test_a_context_longer_than_the_model_keeps_its_end(harness_model, hf_model):
@@ -214,6 +229,11 @@ def test_bad_tasks_are_one_line(tmp_path):
         run = cli(*argv, "--limit", "2")
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
         assert run.stderr.strip().splitlines()[-1].startswith("error: ") and message in run.stderr, run.stderr
+
+
+def test_a_perplexity_window_shorter_than_two_tokens_is_one_line():
+    run = cli("--seq_len", "1")
+    assert run.returncode == 2 and "--seq_len must be at least 2" in run.stderr.strip().splitlines()[-1]
 
 
 def test_tasks_without_the_harness_say_what_to_install(tmp_path):
