@@ -240,8 +240,8 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
 
     # tokenizer_config.json has the last word (Qwen sets bos_token null); the backend's own ids otherwise.
     bos_id = _token_id(backend, config["bos_token"]) if "bos_token" in config else backend.bos_id
-    generation_eos = generation_config.get("eos_token_id", [])
-    generation_eos = [generation_eos] if isinstance(generation_eos, int) else generation_eos
+    generation_eos = generation_config.get("eos_token_id")  # an id, a list of them, null or missing
+    generation_eos = [generation_eos] if isinstance(generation_eos, int) else generation_eos or []
     eos_id = _token_id(backend, config.get("eos_token"))
     if eos_id is None:
         eos_id = generation_eos[0] if generation_eos else backend.eos_id

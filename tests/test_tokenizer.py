@@ -246,6 +246,9 @@ def test_chatml_without_tokenizer_config(tmp_path, hf_tokenizer_json):
     )
     with pytest.raises(UserError, match="end-of-text"):
         load_tokenizer(checkpoint(tmp_path / "no_eos", hf_tokenizer_json))
+    tok = load_tokenizer(checkpoint(tmp_path / "null_eos", hf_tokenizer_json, generation_config={"eos_token_id": None},
+                                    tokenizer_config={"eos_token": "<|endoftext|>"}))
+    assert (tok.eos_id, tok.stop_ids) == (0, [0, 2])
 
 
 def test_template_from_chat_template_jinja(tmp_path, hf_tokenizer_json):
