@@ -577,8 +577,9 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
     linears, sources = {f"{n}.weight" for n in linear_names(model)}, gguf_names(config)
     groups = []
     for name, tensor in model.state_dict().items():
-        if name == "output.weight":
-            read = lambda: source.get_tensor("tok_embeddings.weight")  # noqa: E731
+        if name == "output.weight":  # our checkpoint keeps a tied head as the embedding table only
+            stored = "tok_embeddings.weight" if config.tie_embeddings else name
+            read = lambda: source.get_tensor(stored)  # noqa: E731
             groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int4"}))
         elif name in linears:
             base, (n, k) = name.removesuffix(".weight"), tensor.shape
