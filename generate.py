@@ -117,10 +117,10 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     token. callback, if given, is called after each step with one list of new token ids per row:
     the row's text, up to and including its stop token, and nothing after it (for streaming).
 
-    With a drafter (speculative.DraftModel, PromptLookup) it decodes speculatively: several tokens
-    a target forward; `stats` then receives the acceptance counts. prefill_chunk: the most positions a
-    forward takes (prefill goes through the prompt in chunks of it; a sliding-window layer's cache
-    holds the window + this many). kv_cache_dtype: the cache's (None: the model's; torch.int8: half
+    With a drafter (speculative.DraftModel, PromptLookup, HeadDrafter) it decodes speculatively:
+    several tokens a target forward; `stats` then receives the acceptance counts. prefill_chunk: the
+    most positions a forward takes (prefill goes through the prompt in chunks of it; a sliding-window
+    layer's cache holds the window + this many). kv_cache_dtype: the cache's (None: the model's; torch.int8: half
     bf16's bytes, model.KVCache).
 
     What is guaranteed: in fp32, a prompt gives the same tokens alone, in a batch, and speculatively.

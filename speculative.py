@@ -10,11 +10,10 @@ its probabilities for them). Three are here: `DraftModel` (a smaller model shari
 vocabulary, or the target quantized to int4), `PromptLookup` (the continuation of the latest
 earlier occurrence of the last n-gram, no model), and `HeadDrafter`, a small head trained on the
 target's own hidden states (`DraftHead`, EAGLE-style; scripts/train_draft_head.py trains one). A new
-drafter subclasses `Drafter`; the loop in
-`speculative_generate` knows none of their details. A drafter built with `alternatives=m` also
-offers its next m best tokens at each depth: the target checks them in the same forward, the drafts
-as a tree (each alternative in place of the draft at its depth; `draft_tree`), and keeps one where
-the draft fails. Use it through
+drafter subclasses `Drafter`; the loop in `speculative_generate` knows none of their details. A
+drafter built with `alternatives=m` also offers its next m best tokens at each depth: the target
+checks them in the same forward, the drafts as a tree (each alternative in place of the draft at its
+depth; `draft_tree`), and keeps one where the draft fails. Use it through
 `generate.generate(..., drafter=DraftModel(small_model))`.
 """
 
@@ -297,9 +296,11 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                          stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
                          kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
-    receives the counts of accepted drafts per row and round."""
+    receives "accepted_counts" (how many verify steps, over all rows, kept 0, 1, ..., k drafts),
+    "plain_steps" (steps taken without a proposal) and, with alternatives, "alternatives_kept"."""
     if not isinstance(drafter, Drafter):
-        raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup), not {drafter!r}")
+        raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
+                        f"not {drafter!r}")
     if speculate_k < 1:
         raise UserError(f"speculate_k must be at least 1, got {speculate_k}")
     k, device = speculate_k, next(model.parameters()).device
@@ -402,9 +403,9 @@ def plain_steps(model: Transformer, cur: Tensor, lengths: Tensor, n: int, cache_
     return torch.cat(tokens[1:], dim=1)
 
 
-def draft_step(drafter: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
-    """x: (B, T) at positions pos (B, T) -> the drafter's logits for the next token (B, V)."""
-    return drafter(x, pos, key_positions=keys)[:, -1]
+def draft_step(draft_model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
+    """x: (B, T) at positions pos (B, T) -> the draft model's logits for the next token (B, V)."""
+    return draft_model(x, pos, key_positions=keys)[:, -1]
 
 
 def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, min_ngram: int = 2
@@ -559,16 +560,19 @@ def compile_steps():
         for step in (draft_step, head_step, target_step))
 
 
+def accepted_drafts(stats: dict) -> int:
+    """Drafted tokens kept, over all verify steps."""
+    return sum(i * c for i, c in enumerate(stats["accepted_counts"]))
+
+
 def acceptance_rate(stats: dict, k: int) -> float:
     """The share of drafted tokens kept, over all verify steps."""
-    counts = stats["accepted_counts"]
-    return sum(i * c for i, c in enumerate(counts)) / max(1, sum(counts) * k)
+    return accepted_drafts(stats) / max(1, sum(stats["accepted_counts"]) * k)
 
 
 def format_stats(stats: dict, k: int) -> str:
     counts = stats["accepted_counts"]
-    rounds = sum(counts)
-    accepted = sum(i * c for i, c in enumerate(counts))
+    rounds, accepted = sum(counts), accepted_drafts(stats)
     histogram = " ".join(f"{i}:{c}" for i, c in enumerate(counts))
     tree = f"{stats['alternatives_kept']} of them ending in an alternative, " if "alternatives_kept" in stats else ""
     return (f"acceptance rate {acceptance_rate(stats, k):.1%}, mean tokens per verify step "

@@ -171,10 +171,10 @@ def train(args) -> list[float]:
     if len(windows) - held_out < args.batch_size:
         raise UserError(f"{len(windows)} windows of {W} tokens leave fewer than --batch_size {args.batch_size} to "
                         f"train on after {held_out} held out: give more text, or a larger --max_windows")
-    vocab_size = min(args.vocab, target.config.vocab_size)
-    vocab = ids.bincount(minlength=target.config.vocab_size).topk(vocab_size).indices.sort().values
+    vocab_size, counts = min(args.vocab, target.config.vocab_size), ids.bincount(minlength=target.config.vocab_size)
+    vocab = counts.topk(vocab_size).indices.sort().values
     print(f"{len(windows)} windows of {W} tokens; the head's vocabulary: the {vocab_size} most frequent tokens, "
-          f"{ids.bincount(minlength=target.config.vocab_size)[vocab].sum() / len(ids):.1%} of the text", file=sys.stderr)
+          f"{counts[vocab].sum() / len(ids):.1%} of the text", file=sys.stderr)
     states = target_states(target, windows, args.batch_size)
     scale = states[:64].float().pow(2).mean().sqrt().item()
 
