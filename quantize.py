@@ -429,7 +429,7 @@ class GPTQ:
         embeddings = source.get_tensor("tok_embeddings.weight").float()
         # (n_samples, T, dim), scaled as the model scales its embeddings (Gemma)
         self.hidden = F.embedding(tokens.view(n_samples, seq_len), embeddings) * config.embedding_scale
-        self.ropes = rope_tables(config, seq_len)  # for the global layers, for the sliding ones
+        self.global_rope, self.local_rope = rope_tables(config, seq_len)
         self.results, self.layer = {}, -1
 
     def quantize(self, name: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -471,7 +471,7 @@ class GPTQ:
         n, T, _ = self.hidden.shape
         c = self.config
         sliding = c.is_sliding(layer)
-        rope, window = self.ropes[sliding], c.sliding_window if sliding else None
+        rope, window = (self.local_rope, c.sliding_window) if sliding else (self.global_rope, None)
         outputs = []
         for x in self.hidden.split(batch):
             # a cache of the rows at hand: the last part of the samples may be fewer than batch
