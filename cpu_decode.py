@@ -9,10 +9,10 @@ such loop too, each weight element read once for all of them, and so do the quer
 key/value head in a decode step's attention, each key and value read once for all of them. Eager
 calls and calls of many rows keep PyTorch's kernels.
 
-Without AVX-512, oneDNN has no bf16 matmul of its own speed: a bf16 product of 244 rows by SmolLM2's
-3072 x 576 gate/up weight took 90 ms on an AVX2 core, converting the weight and multiplying in fp32
-17 ms. There a bf16 model's products of MANY_ROWS or more (prefill, scoring) run in fp32 and round
-their output back to bf16 (matmul_dtype); fewer rows keep bf16, which is faster at one row.
+Without AVX-512, oneDNN has no bf16 matmul of its own speed: a bf16 product of many rows runs several
+times slower than converting the weight and multiplying in fp32 (benchmarks/RESULTS.md, "CPUs
+without AVX-512"). There a bf16 model's products of MANY_ROWS or more (prefill, scoring) run in fp32
+and round their output back to bf16 (matmul_dtype); fewer rows keep bf16, which is faster at one row.
 
     cpu_decode.apply(model)   # once, at load (generate.load_model); a no-op for a model on another device
 
@@ -86,7 +86,7 @@ def attention_product(a: Tensor, b: Tensor) -> Tensor:
 
 
 # rows from which a bf16 product runs in fp32 on a CPU without native bf16 matmuls (SLOW_BF16_MATMUL):
-# at 16 rows, 3.8 ms against bf16's 5.5 on the weight above; at 6, 3.0 against 2.1
+# where fp32 overtook bf16 on SmolLM2's gate/up weight on an AVX2 core (fp32 lost at 6 rows)
 MANY_ROWS = 16
 # oneDNN's own test for a bf16 path (AVX-512 or newer on x86): without it, bf16 matmuls crawl
 SLOW_BF16_MATMUL = torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -122,9 +122,8 @@ def compiling_few_rows(x: Tensor) -> bool:
 
 
 # oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)
-# at the memory's speed at a few rows: 6 rows by SmolLM2's gate/up weight, streamed from memory on an
-# AVX-512 bf16 core, 0.16-0.20 ms against 0.27-0.29 for the loop of rows_product and 0.30-0.38 for
-# F.linear; at one row the loop is the fastest (benchmarks/RESULTS.md, "Packed weights for verify steps")
+# near the memory's speed at a few rows, faster there than the loop of rows_product and than F.linear;
+# at one row the loop is the fastest (benchmarks/RESULTS.md, "Packed weights for verify steps")
 PACKABLE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 if PACKABLE:

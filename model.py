@@ -407,8 +407,8 @@ class Attention(nn.Module):
         if T > 1 and self.softcap is None and not few_keys:  # prefill and verify: PyTorch's fused kernel
             if 1 < group and statically_known_true(T <= FOLDED_ATTENTION_ROWS):
                 # a verify step: each k/v head with its group of query heads as the rows of one head, so
-                # that the kernel reads each key once a group, not once a query head (on CPU, 0.3-2.6% of
-                # a verify step at depth 100, 5-8% at depth 1000; prefill's chunks gained nothing so).
+                # that the kernel reads each key once a group, not once a query head (prefill's chunks
+                # gained nothing so: benchmarks/RESULTS.md, "Verify steps: a key/value head's query heads").
                 # Not where compiled prefill keeps T symbolic: a guard on it would split its one graph.
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
