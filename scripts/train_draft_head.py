@@ -142,6 +142,25 @@ def losses(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor,
     return F.smooth_l1_loss(predicted.float() / scale, goal / scale), cross_entropy, agree
 
 
+def training_windows(args, target: Transformer, tokenizer) -> tuple[Tensor, Tensor]:
+    """The training text's tokens (with the target's own answers last, so that the held-out windows are
+    those) and the windows of --window tokens cut from them, (n, window), the last --max_windows."""
+    if args.text is not None:
+        if not Path(args.text).is_file():
+            raise UserError(f"{args.text} does not exist: give a text file, or leave out --text for Python's docs")
+        text = Path(args.text).read_text(errors="replace")
+    else:
+        text = default_text()
+    ids = torch.tensor(tokenizer.encode(text))
+    if args.own_answers:
+        ids = torch.cat([ids, *own_answers(target, tokenizer, text, args.own_answers)])
+    W = args.window
+    if len(ids) < 4 * W:
+        raise UserError(f"the text has {len(ids)} tokens; training needs at least {4 * W} (--window {W} x 4)")
+    windows = ids[len(ids) % W:].view(-1, W)
+    return ids, windows[-args.max_windows:] if args.max_windows else windows
+
+
 def train(args) -> list[float]:
     """Train and save the head; returns the training loss at each step."""
     from tqdm import tqdm
@@ -151,49 +170,35 @@ def train(args) -> list[float]:
     if not target.output.weight.is_floating_point():  # the head starts from, and learns, the output layer's rows
         raise UserError(f"{gen.find_checkpoint(args.checkpoint_path)} is quantized: train the head on the "
                         f"checkpoint it was quantized from (the head drafts for its quantized copies too)")
-    tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    if args.text is not None:
-        if not Path(args.text).is_file():
-            raise UserError(f"{args.text} does not exist: give a text file, or leave out --text for Python's docs")
-        text = Path(args.text).read_text(errors="replace")
-    else:
-        text = default_text()
-    ids = torch.tensor(tokenizer.encode(text))
-    if args.own_answers:  # last, so that the held-out windows are the target's own answers
-        ids = torch.cat([ids, *own_answers(target, tokenizer, text, args.own_answers)])
-    W = args.window
-    if len(ids) < 4 * W:
-        raise UserError(f"the text has {len(ids)} tokens; training needs at least {4 * W} (--window {W} x 4)")
-    windows = ids[len(ids) % W:].view(-1, W)
-    if args.max_windows:  # the text's last windows: its own answers, when there are any
-        windows = windows[-args.max_windows:]
+    ids, windows = training_windows(args, target, gen.get_tokenizer(args.checkpoint_path))
     held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
-    if len(windows) - held_out < args.batch_size:
-        raise UserError(f"{len(windows)} windows of {W} tokens leave fewer than --batch_size {args.batch_size} to "
+    train_rows, B = len(windows) - held_out, args.batch_size
+    if train_rows < B:
+        raise UserError(f"{len(windows)} windows of {args.window} tokens leave fewer than --batch_size {B} to "
                         f"train on after {held_out} held out: give more text, or a larger --max_windows")
     vocab_size, counts = min(args.vocab, target.config.vocab_size), ids.bincount(minlength=target.config.vocab_size)
     vocab = counts.topk(vocab_size).indices.sort().values
-    print(f"{len(windows)} windows of {W} tokens; the head's vocabulary: the {vocab_size} most frequent tokens, "
-          f"{counts[vocab].sum() / len(ids):.1%} of the text", file=sys.stderr)
-    states = target_states(target, windows, args.batch_size)
+    print(f"{len(windows)} windows of {args.window} tokens; the head's vocabulary: the {vocab_size} most frequent "
+          f"tokens, {counts[vocab].sum() / len(ids):.1%} of the text", file=sys.stderr)
+    states = target_states(target, windows, B)
     scale = states[:64].float().pow(2).mean().sqrt().item()
 
     head = DraftHead(DraftHead.config_for(target.config, vocab_size), vocab).to(args.device)
     with torch.no_grad():  # start from the target's own final norm and output rows
         head.norm.weight.copy_(target.norm.weight)
         head.output.weight.copy_(target.output.weight[vocab])
-    head.setup_caches(args.batch_size, W)
+    head.setup_caches(B, args.window)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
-    train_rows = len(windows) - held_out
-    steps = args.epochs * (train_rows // args.batch_size)
+    per_epoch = train_rows // B
+    steps = args.epochs * per_epoch
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps, pct_start=0.05)
     deadline = time.monotonic() + 60 * args.minutes
     bar = tqdm(range(steps), desc="training the draft head", unit="step")
     history = []
     for step in bar:
-        if step % (train_rows // args.batch_size) == 0:
+        if step % per_epoch == 0:
             order = torch.randperm(train_rows)
-        batch = order[step % (train_rows // args.batch_size) * args.batch_size:][: args.batch_size]
+        batch = order[step % per_epoch * B:][:B]
         regression, cross_entropy, agree = losses(head, target, windows[batch], states[batch], scale, args.noise)
         loss = regression + args.cross_entropy_weight * cross_entropy
         optimizer.zero_grad()
@@ -207,8 +212,8 @@ def train(args) -> list[float]:
             print(f"\nstopped at the time limit (--minutes {args.minutes}), step {step + 1} of {steps}", file=sys.stderr)
             break
     with torch.no_grad():
-        agreement = [losses(head, target, windows[i: i + args.batch_size], states[i: i + args.batch_size], scale)[2]
-                     for i in range(train_rows, len(windows) - args.batch_size + 1, args.batch_size)]
+        agreement = [losses(head, target, windows[i: i + B], states[i: i + B], scale)[2]
+                     for i in range(train_rows, len(windows) - B + 1, B)]
     if agreement:
         print(f"held-out: the head's top token is the target's {torch.stack(agreement).mean():.1%} of the time "
               f"(one step ahead, over its vocabulary)", file=sys.stderr)
