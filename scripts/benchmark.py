@@ -44,7 +44,7 @@ import generate as gen  # noqa: E402
 import quantize  # noqa: E402
 import speculative  # noqa: E402
 import tp  # noqa: E402
-from checkpoint import load_config, write_json  # noqa: E402
+from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
 from errors import UserError, run_cli  # noqa: E402
 from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
@@ -277,8 +277,13 @@ def main(args):
     torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
     prompt, prompt_name = ladder_prompt(args)
     model = load(args)
+    groupsizes = {None} | {int4_groupsize(args, q) for q in args.quantized}
+    if args.tp is None:  # every GPU of the machine, where the model and its int4 copies split so many ways
+        gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+        args.tp = [gpus] if gpus > 1 and splits(model.config, gpus, groupsizes) else []
     for world in args.tp:  # before minutes of measuring, not after
-        tp.check_divisible(model.config, world)
+        for groupsize in groupsizes:
+            tp.check_divisible(model.config, world, groupsize)
     ladder = Ladder(args, prompt)
     rows = ladder.rows
     bandwidth = copy_bandwidth_gbs(args.device)
@@ -382,6 +387,24 @@ def llama_bench_json(args, *options: str) -> list[dict]:
     if run.returncode != 0:
         raise UserError(f"llama-bench failed on {gguf}: {(run.stderr.strip().splitlines() or ['no output'])[-1]}")
     return json.loads(run.stdout)
+
+
+def int4_groupsize(args, quantized: str) -> int | None:
+    """The int4 group size of one of --quantized (in memory: --groupsize; a checkpoint: its scheme's)."""
+    if quantized in ("int8", "int4"):
+        return args.groupsize if quantized == "int4" else None
+    scheme = quantize.read_scheme(read_metadata(quantized)) or {}
+    return scheme.get("groupsize") if scheme.get("mode") == "int4" else None
+
+
+def splits(config: ModelArgs, world: int, groupsizes: set) -> bool:
+    """Whether the model, and its int4 copies of these group sizes, split `world` ways."""
+    try:
+        for groupsize in groupsizes:
+            tp.check_divisible(config, world, groupsize)
+    except UserError:
+        return False
+    return True
 
 
 def tp_rows(args, world: int) -> dict:
@@ -676,6 +699,9 @@ def harness_main(args):
     ev.harness()  # lm_eval in a tested version, or one line that says what to install
     from lm_eval.models.huggingface import HFLM
 
+    if len(ev.task_specs(args.harness)) != 1:
+        raise UserError("--harness times one task at a time: give one task name or YAML")
+
     checkpoint = gen.find_checkpoint(args.checkpoint_path)
     model = gen.load_model(checkpoint, args.device, args.precision)
     ours = ev.HarnessModel(model, gen.get_tokenizer(checkpoint), str(checkpoint), args.eval_batch_size,
@@ -697,6 +723,9 @@ def harness_main(args):
             totals[name].append(timed(lambda: results.update({name: ev.evaluate_tasks(lm, args.harness, args.limit,
                                                                                       args.num_fewshot)}),
                                       args.device))
+            if not calls[name]:
+                raise UserError(f"{args.harness} asks for no log-likelihoods (a generation task?): --harness times "
+                                f"scoring, so give a multiple-choice task")
     rows = {}
     for name in backends:
         n = sum(count for count, _ in calls[name]) // args.runs  # requests a run (the same in each)
@@ -704,10 +733,10 @@ def harness_main(args):
         (task,) = results[name]["results"].values()
         rows[name] = dict(requests=n, scoring_s=scoring, requests_per_s=n / scoring,
                           whole_run_s=statistics.median(totals[name]), scoring_s_each_run=[s for _, s in calls[name]],
-                          acc=task["acc,none"], acc_norm=task.get("acc_norm,none"))
+                          acc=task.get("acc,none"), acc_norm=task.get("acc_norm,none"))
         print(f"{name:20} {n} requests scored in {scoring:6.2f} s: {n / scoring:6.1f} requests/s (the whole "
-              f"harness run {rows[name]['whole_run_s']:6.2f} s), acc {task['acc,none']:.3f}, "
-              f"acc_norm {task.get('acc_norm,none', 0):.3f}")
+              f"harness run {rows[name]['whole_run_s']:6.2f} s), " + ", ".join(
+                  f"{metric} {task[metric + ',none']:.3f}" for metric in ("acc", "acc_norm") if metric + ",none" in task))
     ratios = [hf_s / our_s for (_, hf_s), (_, our_s) in zip(calls["harness HF backend"], calls[mine])]
     speedup = statistics.median(ratios)
     print(f"ours / the harness's HF backend: {speedup:.2f}x (median of the runs' ratios: "
@@ -769,7 +798,8 @@ if __name__ == "__main__":
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative rungs")
     p.add_argument("--tp", nargs="*", type=int, default=None, metavar="N",
                    help="also run the compiled rungs sharded N ways under torchrun (default: every GPU, when "
-                        "there are several; on CPU, gloo: for correctness, not speed)")
+                        "there are several and the model splits so many ways; on CPU, gloo: for correctness, "
+                        "not speed)")
     p.add_argument("--llama-bench", default=None, metavar="BIN",
                    help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
     p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
@@ -808,6 +838,8 @@ if __name__ == "__main__":
         p.error("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
     if args.llama_bench and not shutil.which(args.llama_bench):
         p.error(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
+    if args.llama_bench and (args.model or args.checkpoint_path) and not args.gguf:
+        p.error("--llama-bench measures the bundled model's GGUF unless --gguf names this model's")
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
     if args.harness or not (args.no_hf or args.speculative or args.depths is not None):
         try:
@@ -820,11 +852,9 @@ if __name__ == "__main__":
         p.error(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
     if any(n < 2 for n in args.tp or []):
         p.error("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
-    if args.tp is None:
-        gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-        args.tp = [gpus] if gpus > 1 else []
-    if args.depths is not None and (not args.depths or min(args.depths) < 0):
-        p.error("--depths takes one or more context depths, each 0 or more")
+    if args.depths is not None and (not args.depths or min(args.depths) < 0 or max(args.depths) == 0):
+        p.error("--depths takes one or more context depths, each 0 or more, the deepest above 0 (its prefill "
+                "is measured too)")
     if args.harness and args.model:
         p.error("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
     modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)

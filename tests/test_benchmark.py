@@ -151,6 +151,9 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     (["--no-hf", "--tp", "1"], "--tp takes world sizes of 2 or more"),  # it used to relaunch itself forever
     (["--no-hf", "--max_new_tokens", "1"], "--max_new_tokens must be 2 or more"),
     (["--depths", "8100"], "depth 8100 and 128 new tokens exceed the model's context of 8192"),  # needs no HF
+    (["--depths", "0"], "the deepest above 0"),
+    # 9 heads split 3 ways, not int4 groups of 128 over their 576 input columns: said before measuring
+    (["--no-hf", "--tp", "3", "--quantized", "int4", "--groupsize", "128"], "int4 groups of 128) does not split 3"),
 ])
 def test_bad_setups_are_one_line_before_measuring(tmp_path, argv, message):
     if "cuda" in argv and torch.cuda.is_available():
