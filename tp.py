@@ -4,8 +4,9 @@
 Each rank holds a slice of every layer: attention by heads (q, k and v each split on its own head
 boundary, the output projection by its input columns) and the MLP by hidden units (gate and up by
 rows, down by input columns; a MoE layer's experts each the same way, its router whole). The
-row-wise layers (wo, w2) produce partial sums, added up by one all-reduce each: two per layer and
-token. Embeddings and the output head are replicated.
+layers split by input columns (wo, w2) produce partial sums, added up by one all-reduce each: two
+per layer and token (and one for each q/k norm over all heads, OLMoE's). Embeddings and the output
+head are replicated.
 
 A rank's model is simply a narrower model (fewer heads, a smaller MLP) whose attention and MLP
 outputs are summed over the ranks: model.py knows nothing of it. `apply_tp` makes one from a model

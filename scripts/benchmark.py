@@ -65,9 +65,9 @@ def decode_speed(run, n_new: int, runs: int, device: str) -> dict:
     first_run_s = timed(lambda: run(n_new), device)
     run(1)
     full = statistics.median(timed(lambda: run(n_new), device) for _ in range(runs))
-    first = statistics.median(timed(lambda: run(1), device) for _ in range(runs))
-    return dict(ms_per_token=(full - first) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full, ttft_ms=first * 1e3,
-                first_run_s=first_run_s)
+    to_first_token = statistics.median(timed(lambda: run(1), device) for _ in range(runs))
+    return dict(ms_per_token=(full - to_first_token) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full,
+                ttft_ms=to_first_token * 1e3, first_run_s=first_run_s)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
@@ -89,7 +89,7 @@ def matmul_floor_ms(model: Transformer, device: str, linear=F.linear, cache_byte
     dtype = model.output.weight.dtype
     total = 0.0
     for (n, k), count in shapes.items():
-        copies = max(2, min(64, cache_bytes // (n * k * dtype.itemsize)))
+        copies = max(2, -(-cache_bytes // (n * k * dtype.itemsize)) + 1)  # more than the caches hold, however small
         weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(copies)]
         x = torch.randn(1, k, dtype=dtype, device=device)
         iters = max(20, 4 * copies)
@@ -170,8 +170,13 @@ def full_config(args) -> ModelArgs:
 def load(args, rank: int = 0, world: int = 1) -> Transformer:
     if not args.model:
         return gen.load_model(args.checkpoint_path, args.device, args.precision, rank, world)
-    # random weights made where they run, in their dtype: no host or fp32 copy of a 70B
-    model, _ = gen.empty_model(full_config(args), None, rank, world)
+    return random_model(full_config(args), args, rank, world)
+
+
+def random_model(config: ModelArgs, args, rank: int = 0, world: int = 1) -> Transformer:
+    """config's model (rank's slice) with random weights made where they run, in their dtype: no host
+    or fp32 copy of a 70B."""
+    model, _ = gen.empty_model(config, None, rank, world)
     model = model.to(gen.PRECISIONS[args.precision]).to_empty(device=args.device)
     if model.config.tie_embeddings:  # to_empty gave the tied table two tensors
         model.output.weight = model.tok_embeddings.weight
@@ -193,7 +198,7 @@ def dense_twin(c: ModelArgs, args) -> Transformer:
         raise UserError(f"--dense-twin needs a mixture-of-experts --model; {args.model} is dense")
     config = dataclasses.replace(c, n_experts=0, moe_layers=None,
                                  intermediate_size=c.n_active_experts * c.moe_intermediate_size)
-    return randomized(Transformer(config).to(device=args.device, dtype=gen.PRECISIONS[args.precision]))
+    return random_model(config, args)
 
 
 def resident_bytes(model: Transformer) -> int:
@@ -339,11 +344,13 @@ def speculative_rows(ladder: Ladder, model: Transformer):
     """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
     args = ladder.args
     for name, kw in drafters(args, model).items():
-        stats = {}
-        gen.generate(model, ladder.prompt, args.max_new_tokens, speculate_k=args.speculate_k, stats=stats, **kw)
-        ladder.ours(f"ours {args.precision} compiled + {name}", model, speculate_k=args.speculate_k,
+        stats, rung = {}, f"ours {args.precision} compiled + {name}"
+        first_run_s = timed(lambda: gen.generate(model, ladder.prompt, args.max_new_tokens, stats=stats,
+                                                 speculate_k=args.speculate_k, **kw), args.device)  # compiles
+        ladder.ours(rung, model, speculate_k=args.speculate_k,
                     note=f"k={args.speculate_k}, {speculative.acceptance_rate(stats, args.speculate_k):.0%} of "
                          f"drafts kept", **kw)
+        ladder.rows[rung]["first_run_s"] = first_run_s  # the run that compiled, as every rung's
 
 
 def drafters(args, target: Transformer) -> dict:
@@ -563,7 +570,7 @@ def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
 @torch.no_grad()
 def depths_main(args):
     """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
-    each model (--precision's and --quantized), in one cache sized for the deepest: a step's cost must
+    model (--quantized's, or else --precision's), in one cache sized for the deepest: a step's cost must
     follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
     for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
     beyond what the model holds. llama-bench (-d, and -p) beside them."""

@@ -14,7 +14,7 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from errors import run_cli  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
 
 CONFIG_FILES = {
     "config.json",
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"downloaded {args.repo_id} to {path}")
         return
-    print(f"error: {error}", file=sys.stderr)
-    sys.exit(1)
+    raise UserError(error)
 
 
 if __name__ == "__main__":

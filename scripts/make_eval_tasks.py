@@ -11,6 +11,7 @@ shaped like HellaSwag): the first half of one of pydoc_cloze's sentences, and fo
 its own and three of other sentences: choices of several tokens each.
 """
 
+import argparse
 import json
 import random
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoint import write_atomically  # noqa: E402
 from quantize import python_docs_text  # noqa: E402
 
 TASKS = Path(__file__).resolve().parents[1] / "tasks"
@@ -49,22 +51,27 @@ def main():
     rng.shuffle(pairs)
     endings = sorted({word for _, word in pairs})
     cloze, complete = pairs[:PER_TASK], pairs[PER_TASK: 2 * PER_TASK]
-    with open(TASKS / "pydoc_cloze.jsonl", "w") as f:
-        for context, word in cloze:
-            choices = [word] + rng.sample([w for w in endings if w != word], 3)
-            rng.shuffle(choices)
-            f.write(json.dumps(dict(context=context, choices=choices, label=choices.index(word))) + "\n")
-    with open(TASKS / "pydoc_complete.jsonl", "w") as f:
-        for context, word in complete:
-            f.write(json.dumps(dict(context=context, answer=word)) + "\n")
+    examples = []
+    for context, word in cloze:
+        choices = [word] + rng.sample([w for w in endings if w != word], 3)
+        rng.shuffle(choices)
+        examples.append(dict(context=context, choices=choices, label=choices.index(word)))
+    write_jsonl("pydoc_cloze", examples)
+    write_jsonl("pydoc_complete", [dict(context=context, answer=word) for context, word in complete])
     # the held-out docs have ~400 such sentences: pydoc_ending reuses pydoc_cloze's, cut elsewhere
     halves = [split_in_half(f"{context} {word}") for context, word in cloze]
-    with open(TASKS / "pydoc_ending.jsonl", "w") as f:
-        for start, end in halves:
-            choices = [end] + rng.sample([other for _, other in halves if other != end], 3)
-            rng.shuffle(choices)
-            f.write(json.dumps(dict(context=start, choices=choices, label=choices.index(end))) + "\n")
+    examples = []
+    for start, end in halves:
+        choices = [end] + rng.sample([other for _, other in halves if other != end], 3)
+        rng.shuffle(choices)
+        examples.append(dict(context=start, choices=choices, label=choices.index(end)))
+    write_jsonl("pydoc_ending", examples)
     print(f"wrote {len(cloze)} + {len(complete)} + {len(halves)} examples from {len(pairs)} sentences into {TASKS}")
+
+
+def write_jsonl(task: str, examples: list[dict]):
+    """tasks/{task}.jsonl, one example a line, renamed into place only once written whole."""
+    write_atomically(TASKS / f"{task}.jsonl", lambda f: f.writelines(json.dumps(e) + "\n" for e in examples))
 
 
 def split_in_half(sentence: str) -> tuple[str, str]:
@@ -74,4 +81,5 @@ def split_in_half(sentence: str) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
