@@ -432,6 +432,8 @@ def tp_worker(args):
     torch.manual_seed(0)  # the same random weights and prompt on every rank
     ladder = Ladder(args, ladder_prompt(args)[0])
     ladder.compiled(load(args, rank, world), f", TP {world}", rank, world)
+    for row in ladder.rows.values():
+        row["note"] = "GB/s, MBU and memory: rank 0's slice"
     if rank == 0:
         write_record(args, rows=ladder.rows)
     torch.distributed.destroy_process_group()
