@@ -69,11 +69,14 @@ def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
 
 
 @torch.no_grad()
-def test_chunked_prefill_equals_one_forward(model_fp32):
-    """Prompts prefilled 8 positions a forward leave the logits and the cache of one forward over
-    all of them (fp32), with rows ending before, on and after chunk boundaries."""
+def test_chunked_prefill_equals_one_forward(model_fp32, monkeypatch):
+    """Prompts prefilled 8 positions a forward (3 forwards for 17) leave the logits and the cache of
+    one forward over all of them (fp32), with rows ending before, on and after chunk boundaries."""
     lengths = torch.tensor([7, 8, 9, 17])
     idx = torch.randint(0, 1000, (4, 17), generator=torch.Generator().manual_seed(0))
+    forwards, forward = [], decode.prefill_chunk
+    monkeypatch.setattr(decode, "prefill_chunk", lambda model, ids, *args: forwards.append(ids.shape[1]) or
+                        forward(model, ids, *args))
     results = []
     for chunk in (8, 64):
         model_fp32.setup_caches(4, 64, chunk)
@@ -81,6 +84,7 @@ def test_chunked_prefill_equals_one_forward(model_fp32):
         caches = [layer.attention.kv_cache.k_cache.clone() for layer in model_fp32.layers[::10]]
         results.append((logits, [[c[row, :, :n] for row, n in enumerate(lengths)] for c in caches]))
     (chunked, chunked_caches), (whole, whole_caches) = results
+    assert forwards == [8, 8, 1, 17]
     assert ((chunked - whole).abs().max() / whole.abs().max()).item() <= 1e-5
     for chunked_rows, whole_rows in zip(chunked_caches, whole_caches):
         for a, b in zip(chunked_rows, whole_rows):

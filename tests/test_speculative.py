@@ -320,6 +320,25 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     assert found.tolist() == [True, True] and drafts.tolist() == [[5, 5, 5, 5], [2, 1, 2, 1]]
 
 
+def test_prompt_lookup_backs_off_after_rejected_proposals():
+    """After a verify step in which no row kept two drafts, plain steps before the next proposal: 2,
+    8, 32, then 64 each time; a round that keeps two drafts drafts again at once."""
+    drafter, tokens, length = PromptLookup(), torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), torch.tensor([8])
+    drafter.start(None, tokens, length, 16)  # its last 2-gram repeats: every search finds it
+    active, pauses = torch.tensor([True]), []
+    proposal = drafter.propose(tokens, length, k=3)
+    for _ in range(5):
+        assert not isinstance(proposal, int)
+        drafter.accepted(torch.tensor([1]), active, None)  # one draft kept of three
+        steps = 0
+        while isinstance(proposal := drafter.propose(tokens, length, k=3), int):
+            steps += proposal
+        pauses.append(steps)
+    assert pauses == [2, 8, 32, 64, 64]
+    drafter.accepted(torch.tensor([2]), active, None)
+    assert not isinstance(drafter.propose(tokens, length, k=3), int)
+
+
 def test_prompt_lookup_searches_less_while_it_finds_nothing(monkeypatch):
     searched_at = []  # the steps at which it searched
     search = speculative.prompt_lookup

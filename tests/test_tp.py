@@ -66,6 +66,7 @@ def test_the_command_line_under_torchrun(bundled_checkpoint, tmp_path):
                    f"{common} --temperature 0.8 --top_k 50", f"{common} --temperature 0.8 --draft self-int4",
                    f"{common} --temperature 0 --draft self-int4")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("quantizing the target to int4 for drafting") == 1  # one rank, once
     ranks = [torch.load(tmp_path / f"out.pt.{rank}") for rank in range(3)]
     as_lists = [[[o.tolist() for o in outputs] for outputs in rank] for rank in ranks]
     assert as_lists[1] == as_lists[0] and as_lists[2] == as_lists[0]
