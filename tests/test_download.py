@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
+from errors import run_cli
 from scripts import download
 
 CONFIGS = ["config.json", "generation_config.json", "special_tokens_map.json", "tokenizer_config.json"]
@@ -105,8 +106,8 @@ def test_main(tmp_path, hub, capsys):
 ])
 def test_main_errors(tmp_path, hub, capsys, repo_id, error, message):
     hub.error = error
-    with pytest.raises(SystemExit) as exit:
-        download.main(["--repo_id", repo_id, "--checkpoint_dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit:  # as the command line runs it
+        run_cli(download.main, ["--repo_id", repo_id, "--checkpoint_dir", str(tmp_path)])
     assert exit.value.code == 1
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: ") and stderr.count("\n") == 1
