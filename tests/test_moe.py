@@ -1,13 +1,17 @@
 """Mixture-of-experts layers beyond matching HF (tests/test_families.py does that for Mixtral,
-Qwen3-MoE and OLMoE): a decode step reads only the experts its router picks, in every weight format,
-and the grouped product of many tokens is what each token alone computes, compiled too."""
+Qwen3-MoE and OLMoE): a decode step reads only the experts its router picks, in every weight format
+(eager, no op but indexing takes the stacked experts whole; eager and compiled, NaN in the others
+changes nothing), and the grouped product of many tokens is what each token alone computes, compiled
+too."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import cpu_decode
 import quantize
-from model import ModelArgs, MoEFeedForward, Transformer
+from model import ExpertLinears, ModelArgs, MoEFeedForward, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, dim=64, n_head=4, n_local_heads=2, block_size=64, n_experts=8,
               n_active_experts=2, moe_intermediate_size=64)
@@ -34,6 +38,22 @@ def tiny_moe(mode: str | None) -> Transformer:
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, assign=True)
     quantize.pack_for_device(model)
     return model
+
+
+class WholeReads(TorchDispatchMode):
+    """The ops, other than indexing, that take one of `tensors` whole as an input."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.tensors, self.ops = tensors, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        whole = any(isinstance(a, torch.Tensor) and any(a.data_ptr() == t.data_ptr() and a.numel() == t.numel()
+                                                        for t in self.tensors)
+                    for a in tree_leaves((args, kwargs)))
+        if whole and func is not torch.ops.aten.index.Tensor:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 def poison_unselected_experts(model: Transformer, x: torch.Tensor, pos: torch.Tensor) -> int:
@@ -69,6 +89,12 @@ def test_a_decode_step_reads_only_the_selected_experts(mode, compiled):
     if compiled:
         cpu_decode.apply(model)
     step = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
+    if not compiled:  # eager: the stacked experts are only ever indexed, never read whole
+        stacked = [t for m in model.modules() if isinstance(m, ExpertLinears)
+                   for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+        with WholeReads(stacked) as reads:
+            model(x, pos)
+        assert stacked and reads.ops == []
     before = step(x, pos)
     assert poison_unselected_experts(model, x, pos) >= 2 * (8 - 2)  # each layer: 6 of 8 poisoned
     after = step(x, pos)
