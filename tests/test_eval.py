@@ -2,6 +2,7 @@
 equal requests alone, generation stops before the task's stop strings, the harness's own HF backend
 scores the repo's multiple-choice task as ours does; bad input is one line."""
 
+import math
 import os
 import subprocess
 import sys
@@ -165,6 +166,21 @@ def test_choices_of_a_sliding_window_model_share_a_row_within_the_window():
         logits = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1))[0].float().log_softmax(-1)
         expected = logits[-len(continuation):].gather(-1, torch.tensor(continuation)[:, None]).sum().item()
         assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+@torch.no_grad()
+def test_perplexity_is_hf_transformers_loss_over_the_same_windows(harness_model, hf_model):
+    """exp of HF's mean loss over the same windows of the bundled model's held-out text; an int8 KV
+    cache moves it, a little."""
+    from quantize import python_docs_text
+
+    tokens = torch.tensor(harness_model.tokenizer.encode(python_docs_text("held-out"))[:3 * 128 + 50])
+    windows = tokens[: 3 * 128].view(3, 128)  # the 50 tokens past the last whole window are not scored
+    expected = math.exp(hf_model(windows, labels=windows).loss.item())  # the mean over every window's 127
+    ours = ev.perplexity(harness_model.model, tokens, seq_len=128, batch_size=2)
+    assert ours == pytest.approx(expected, rel=1e-4)
+    int8 = ev.perplexity(harness_model.model, tokens, seq_len=128, batch_size=2, kv_cache_dtype=torch.int8)
+    assert int8 != ours and int8 == pytest.approx(ours, rel=0.02)
 
 
 @torch.no_grad()
