@@ -409,3 +409,25 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
         if dof > 0 and reached.sum() > 1000:
             p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2)
             assert p_value > 1e-4, (case, j, counts.tolist(), expected.tolist())
+
+
+@torch.no_grad()
+def test_compiled_steps_give_plain_greedy(monkeypatch):
+    """What `generate.py --compile --draft ...` runs on CPU: the compiled decode, draft and verify steps
+    (fp32) give plain greedy's tokens, with prompt lookup and with a draft model in the target's caches."""
+    for module, names in ((decode, ["decode_one_token", "prefill_chunk"]),
+                          (speculative, ["draft_step", "head_step", "target_step"])):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))  # the eager steps again after the test
+    torch.manual_seed(0)
+    target = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=256)).eval()
+    cpu_decode.apply(target)  # as load_model gives it
+    prompts = [torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), torch.randint(0, 64, (13,))]
+    plain = generate(target, prompts, 24, temperature=0)
+    decode.compile_steps()
+    speculative.compile_steps()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for drafter in (PromptLookup(), DraftModel(copy.deepcopy(target))):
+        spec = generate(target, prompts, 24, temperature=0, drafter=drafter, speculate_k=3)
+        assert [s.tolist() for s in spec] == [p.tolist() for p in plain], drafter
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 3  # plain, verify and draft steps
