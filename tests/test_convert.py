@@ -99,10 +99,12 @@ def test_mistral_without_window_matches_hf(tmp_path):
 
 
 def test_mistral_window_at_least_the_context_converts():
-    """A window as long as the context never acts: that config computes what we compute."""
+    """A window as long as the context never acts: the model converts as one without a window."""
     config = tiny("MistralConfig", "MistralForCausalLM", sliding_window=TINY["max_position_embeddings"]
                   ).config.to_dict()
-    assert config_from_hf(config).block_size == TINY["max_position_embeddings"]
+    args = config_from_hf(config)
+    assert args.block_size == TINY["max_position_embeddings"]
+    assert (args.sliding_window, args.sliding_layers) == (None, None)
 
 
 def test_mistral_window_acts_whatever_use_sliding_window_says(tmp_path):
