@@ -199,7 +199,13 @@ def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model
     whole = hf_logprob(hf_model, [harness_model.prefix_token_id], ids, 10**6)
     windowed = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", max_length=16)
     assert harness_model.loglikelihood_rolling(requests([(text,)]))[0] == pytest.approx(whole, rel=1e-4)
-    assert windowed.loglikelihood_rolling(requests([(text,)]))[0] < whole  # less context, each token predicted once
+    scored, score = [], windowed.score
+    windowed.score = lambda pairs: scored.extend(pairs) or score(pairs)
+    total = windowed.loglikelihood_rolling(requests([(text,)]))[0]
+    assert [t for _, continuation in scored for t in continuation] == ids  # each token once, in order
+    assert all(len(context + continuation) <= 16 + 1 for context, continuation in scored)
+    assert total == pytest.approx(sum(hf_logprob(hf_model, c, t, 16) for c, t in scored), rel=1e-4)
+    assert total < whole  # less context
 
 
 def test_generation_stops_before_stop_strings_of_several_tokens(harness_model):
