@@ -140,7 +140,7 @@ def test_int8_kv_cache_stays_near_the_full_precision_one(model_fp32, bundled_che
             == generate(model, prompt, 64, temperature=0).tolist())
 
 
-def test_stop_tokens_end_each_row(model_fp32, bundled_checkpoint):
+def test_a_stop_token_ends_the_answer(model_fp32, bundled_checkpoint):
     tokenizer = get_tokenizer(bundled_checkpoint)
     prompt = torch.tensor(tokenizer.encode_prompt("What is 2+2?", chat=True))
     full = generate(model_fp32, prompt, 64, temperature=0)

@@ -76,7 +76,7 @@ def test_stop_tokens_and_lengths(model_fp32, bundled_checkpoint, int4_draft):
     assert len(short) == len(prompt) + 7
 
 
-def test_sampling_is_seeded_and_valid(model_fp32, prompts, int4_draft):
+def test_speculative_sampling_is_seeded_and_decodes_every_token_asked_for(model_fp32, prompts, int4_draft):
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
