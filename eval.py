@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cpu_decode
-from errors import UserError, run_cli
+from errors import UserError, refuse, run_cli
 from decode import key_positions
 from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
 from model import Transformer
@@ -413,11 +413,11 @@ if __name__ == "__main__":
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help="default: --precision's")
     args = p.parse_args()
     if args.text_file and not args.text_file.is_file():
-        p.error(f"{args.text_file} does not exist")
+        refuse(f"{args.text_file} does not exist")
     if args.tasks and args.text_file:
-        p.error("--text_file is for perplexity; harness tasks bring their own data")
+        refuse("--text_file is for perplexity; harness tasks bring their own data")
     if args.compile and not args.tasks:
-        p.error("--compile is for harness tasks (--tasks)")
+        refuse("--compile is for harness tasks (--tasks)")
     if args.seq_len < 2:
-        p.error("--seq_len must be at least 2 (a window's first token predicts the next)")
+        refuse("--seq_len must be at least 2 (a window's first token predicts the next)")
     run_cli(main, args)

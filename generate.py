@@ -23,7 +23,7 @@ import quantize
 import speculative
 import tp
 from checkpoint import load_config, read_metadata, read_safetensors, resolve_checkpoint
-from errors import UserError, run_cli
+from errors import UserError, refuse, run_cli
 from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer, check_kv_cache_dtype
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -465,16 +465,16 @@ def parse_args(argv=None):
                    help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
     if args.prefill_chunk < 1:
-        p.error("--prefill_chunk must be at least 1")
+        refuse("--prefill_chunk must be at least 1")
     if args.compile_prefill and not args.compile:
-        p.error("--compile_prefill goes with --compile")
+        refuse("--compile_prefill goes with --compile")
     drafters = (args.draft_checkpoint_path, args.draft_head or args.draft == "head", args.draft not in (None, "head"))
     if sum(map(bool, drafters)) > 1:
-        p.error("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
+        refuse("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
     if args.draft_alternatives < 0:
-        p.error("--draft_alternatives must be 0 or more")
+        refuse("--draft_alternatives must be 0 or more")
     if args.draft_alternatives and not (args.draft_checkpoint_path or drafters[1] or args.draft == "self-int4"):
-        p.error("--draft_alternatives goes with a drafter that ranks tokens: --draft_checkpoint_path, --draft self-int4 "
+        refuse("--draft_alternatives goes with a drafter that ranks tokens: --draft_checkpoint_path, --draft self-int4 "
                 "or --draft head")
     return args
 

@@ -46,7 +46,7 @@ import speculative  # noqa: E402
 import tp  # noqa: E402
 from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from errors import UserError, refuse, run_cli  # noqa: E402
 from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
 
 
@@ -842,29 +842,29 @@ if __name__ == "__main__":
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     if bool(args.model) != args.random_weights:
-        p.error("--model and --random-weights go together")
+        refuse("--model and --random-weights go together")
     if args.speculative and args.model:
-        p.error("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
+        refuse("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
     if args.llama_bench and not shutil.which(args.llama_bench):
-        p.error(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
+        refuse(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
     if args.llama_bench and (args.model or args.checkpoint_path) and not args.gguf:
-        p.error("--llama-bench measures the bundled model's GGUF unless --gguf names this model's")
+        refuse("--llama-bench measures the bundled model's GGUF unless --gguf names this model's")
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
     if args.harness or not (args.no_hf or args.speculative or args.depths is not None):
         try:
             import transformers  # noqa: F401 (checked before minutes of measuring)
         except ImportError:
-            p.error("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
+            refuse("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
     if args.max_new_tokens < 2 or args.runs < 1:
-        p.error("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
+        refuse("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
+        refuse(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
     if any(n < 2 for n in args.tp or []):
-        p.error("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
+        refuse("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
     if args.depths is not None and (not args.depths or min(args.depths) < 0 or max(args.depths) == 0):
-        p.error("--depths takes one or more context depths, each 0 or more, the deepest above 0 (its prefill "
+        refuse("--depths takes one or more context depths, each 0 or more, the deepest above 0 (its prefill "
                 "is measured too)")
     if args.harness and args.model:
-        p.error("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
+        refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
     modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

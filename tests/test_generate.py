@@ -267,6 +267,7 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "batch_size" in cli_error(["--batch_size", "0"])
     assert "fp8 KV cache needs a GPU with fp8" in cli_error(["--kv_cache_dtype", "fp8", "--device", "cpu"])
     assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
+    assert "--prefill_chunk must be at least 1" in cli_error(["--prefill_chunk", "0"])
     tokenizer_file = bundled_checkpoint.parent / "tokenizer.json"
     assert "give the converted checkpoint's directory" in cli_error(["--checkpoint_path", str(tokenizer_file)])
     if not torch.cuda.is_available():
