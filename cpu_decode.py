@@ -157,7 +157,6 @@ class FewRowLinear(nn.Linear):
             return (y if self.bias is None else y + self.bias).to(x.dtype)
         return linear_in(matmul_dtype(x), x, self.weight, self.bias).to(x.dtype)
 
-
     def packed_is_current(self) -> bool:
         """Whether there is a packed copy, made from the weight as it is now (one replaced or written in
         place since is not: its products go through the plain weight). Compiled code takes the copy as
