@@ -95,7 +95,7 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
     """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.
     select(name, shape), if given, names the pieces of a tensor to read and concatenate, as
     (dim, [(start, stop), ...]), or None for all of it (tensor parallelism keeps its own slice: rows are
-read alone, a slice of columns is cut from the whole tensor, one tensor at a time).
+    read alone, a slice of columns is cut from the whole tensor, one tensor at a time).
 
     Read with plain reads into fresh memory, one tensor at a time, rather than memory-mapped: the
     file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,

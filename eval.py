@@ -263,7 +263,7 @@ class HarnessModel(HarnessLM):
         self.model.setup_caches(R, T, chunk=self.max_length, kv_cache_dtype=self.kv_cache_dtype)
         positions = torch.arange(T).expand(R, T)
         x = self.hidden_states(idx.to(device), positions.to(device), key_positions(self.model, T),
-                         tree.to(device) if T <= self.tree_length else None)
+                               tree.to(device) if T <= self.tree_length else None)
         columns = torch.arange(T)
         wanted = (columns >= prefix_lengths[:, None] - 1) & (columns < lengths[:, None])  # (R, T)
         x = x[wanted.to(device)]  # (head_outputs, dim)

@@ -120,8 +120,8 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     With a drafter (speculative.DraftModel, PromptLookup, HeadDrafter) it decodes speculatively:
     several tokens a target forward; `stats` then receives the acceptance counts. prefill_chunk: the
     most positions a forward takes (prefill goes through the prompt in chunks of it; a sliding-window
-    layer's cache holds the window + this many). kv_cache_dtype: the cache's (None: the model's; torch.int8: half
-    bf16's bytes, model.KVCache).
+    layer's cache holds the window + this many). kv_cache_dtype: the cache's (None: the model's;
+    torch.int8: half bf16's bytes, model.KVCache).
 
     What is guaranteed: in fp32, a prompt gives the same tokens alone, in a batch, and speculatively.
     In bf16 the logits agree up to rounding (a batch or a verify step sums in another order), so a
