@@ -287,8 +287,7 @@ def main(args):
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
         args.tp = [gpus] if gpus > 1 and splits(model.config, gpus, groupsizes) else []
     for world in args.tp:  # before minutes of measuring, not after
-        for groupsize in groupsizes:
-            tp.check_divisible(model.config, world, groupsize)
+        check_splits(model.config, world, groupsizes)
     ladder = Ladder(args, prompt)
     rows = ladder.rows
     bandwidth = copy_bandwidth_gbs(args.device)
@@ -404,11 +403,16 @@ def int4_groupsize(args, quantized: str) -> int | None:
     return scheme.get("groupsize") if scheme.get("mode") == "int4" else None
 
 
+def check_splits(config: ModelArgs, world: int, groupsizes: set):
+    """One line, naming the world sizes that work, unless the model and its int4 copies of these group
+    sizes split `world` ways."""
+    for groupsize in groupsizes:
+        tp.check_divisible(config, world, groupsize)
+
+
 def splits(config: ModelArgs, world: int, groupsizes: set) -> bool:
-    """Whether the model, and its int4 copies of these group sizes, split `world` ways."""
     try:
-        for groupsize in groupsizes:
-            tp.check_divisible(config, world, groupsize)
+        check_splits(config, world, groupsizes)
     except UserError:
         return False
     return True
