@@ -4,6 +4,7 @@ the plumbing is under test here, not the speed) and writes the JSON the plot rea
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -142,7 +143,8 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     rows = json.loads(out.read_text())["rows"]
     lookup = [row for row in rows if row.get("drafter") == "prompt lookup"]
     assert [row["prompt"] for row in lookup] == ["open-ended", "extract", "code-edit"]
-    assert all(row["speedup"] > 0 and row["decode_speedup"] > 0 and row["prefill_s"] > 0 for row in lookup)
+    # past the prefill is a difference of timings: on a loaded machine it can come out at or below 0
+    assert all(row["speedup"] > 0 and math.isfinite(row["decode_speedup"]) and row["prefill_s"] > 0 for row in lookup)
 
 
 @pytest.mark.parametrize("argv,message", [
