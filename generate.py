@@ -276,7 +276,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     stop_ids = [] if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = weight_bytes_per_token(model)
     if args.compile:
-        print("compiling the decode step: the first run takes minutes on CPU, seconds once cached", file=sys.stderr)
+        print("compiling the decode step: the first run takes minutes on CPU, seconds once cached (a new "
+              "--max_new_tokens or prompt length may size the cache anew, and compile again)", file=sys.stderr)
     # the first sample compiles; when compiling, a warm-up sample is run and not counted
     for i in range(-1 if args.compile else 0, args.num_samples):
         synchronize(device)
@@ -295,6 +296,10 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
             text = tokenizer.decode(output[len(prompt) if use_chat else 0:].tolist())
             print(f"[{row + 1}/{len(outputs)}] {text}" if len(outputs) > 1 else text)
         new = sum(len(o) - len(prompt) for o in outputs)
+        cut = sum(len(o) - len(prompt) == args.max_new_tokens and int(o[-1]) not in stop_ids for o in outputs)
+        if cut:
+            print(f"({cut} of {len(outputs)} rows stopped at --max_new_tokens {args.max_new_tokens}, not at the end "
+                  f"of the answer)", file=sys.stderr)
         if stats:
             print(speculative.format_stats(stats, args.speculate_k), file=sys.stderr)
         # a step's weight bytes per token read: not a speculative run's, whose step reads them for several tokens
@@ -322,6 +327,8 @@ def check_run_args(args, device: str, world_size: int):
         check_kv_cache_dtype(KV_CACHE_DTYPES[args.kv_cache_dtype], torch.device(device))
     if args.batch_size < 1 or args.num_samples < 1:
         raise UserError("--batch_size and --num_samples must be at least 1")
+    if args.interactive and (args.batch_size > 1 or args.num_samples > 1):
+        raise UserError("--interactive is one dialog: leave out --batch_size and --num_samples")
     if args.context is not None and not args.interactive:
         raise UserError("--context sizes the cache of --interactive; elsewhere the cache holds the prompt and "
                         "--max_new_tokens")
@@ -377,7 +384,8 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
     while True:
         try:
             user = input("You: ").strip()
-        except EOFError:
+        except EOFError:  # the end of the input: end the prompt's line, as Enter would have
+            print()
             return
         if not user:
             continue

@@ -381,7 +381,7 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
     source = safe_open(str(checkpoint_path), framework="pt")
     if read_scheme(read_metadata(checkpoint_path)):
         raise UserError(f"{checkpoint_path} is already quantized ({source.metadata()['quantization']}): "
-                        f"quantize the bf16 checkpoint it came from")
+                        f"quantize the unquantized checkpoint it came from")
     output = Path(output or output_path(checkpoint_path, mode, groupsize))
     with torch.device("meta"):
         model = Transformer(config)

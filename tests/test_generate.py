@@ -295,12 +295,14 @@ def test_cli_stops_at_the_end_of_the_answer(capsys):
         outputs = gen.main(gen.parse_args(argv + extra))
         for row in outputs:
             assert row[-1].item() in tokenizer.stop_ids and len(row) < prompt_len + 60, extra
-        printed = capsys.readouterr().out
+        printed, said = capsys.readouterr()
         assert "system" not in printed and "user" not in printed, printed
+        assert "stopped at --max_new_tokens" not in said
         if "--batch_size" in extra:  # every row printed, labelled
             assert "[1/2] " in printed and "[2/2] " in printed
     outputs = gen.main(gen.parse_args(argv + ["--ignore_eos"]))
     assert len(outputs[0]) == prompt_len + 60
+    assert "(1 of 1 rows stopped at --max_new_tokens 60, not at the end of the answer)" in capsys.readouterr().err
 
 
 def test_help_shows_defaults(capsys):
@@ -372,6 +374,8 @@ def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
             gen.run(gen.parse_args(["--interactive", "--context", context, "--precision", "fp32"]))
     with pytest.raises(UserError, match="--context sizes the cache of --interactive"):
         gen.run(gen.parse_args(["--context", "64"]))
+    with pytest.raises(UserError, match="--interactive is one dialog"):
+        gen.run(gen.parse_args(["--interactive", "--batch_size", "2"]))
     # a context that is not a multiple of 64, filled to its end: the cache made at the first turn is kept
     made, make = [], model.KVCache.__init__
     monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args) or make(self, *args))
