@@ -341,7 +341,7 @@ def test_groupsize_not_supported(bundled_checkpoint, tmp_path):
 
 
 def test_already_quantized(int8_file, tmp_path):
-    with pytest.raises(UserError, match=r"already quantized.*bf16 checkpoint it came from"):
+    with pytest.raises(UserError, match=r"already quantized.*unquantized checkpoint it came from"):
         quantize.quantize(int8_file, "int4", 32, output=tmp_path / "out.safetensors")
     assert list(tmp_path.iterdir()) == [] and not list(int8_file.parent.glob("*.partial"))
 
