@@ -27,7 +27,7 @@ from tqdm import tqdm
 import cpu_decode
 from errors import UserError, refuse, run_cli
 from decode import key_positions
-from generate import KV_CACHE_DTYPES, PRECISIONS, generate, get_tokenizer, load_model
+from generate import KV_CACHE_DTYPES, PRECISIONS, HelpFormatter, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
 from tokenizer import Tokenizer
@@ -54,7 +54,8 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
     window attends to stored in kv_cache_dtype (None: the model's dtype)."""
     n_windows = len(tokens) // seq_len
     if n_windows == 0:
-        raise UserError(f"the text has {len(tokens)} tokens, fewer than one window of {seq_len}")
+        raise UserError(f"the text has {len(tokens)} tokens, fewer than one window of {seq_len}: score more "
+                        f"(--max_tokens, --text_file) or shorten the window (--seq_len)")
     windows = tokens[: n_windows * seq_len].view(n_windows, seq_len)
     device = next(model.parameters()).device
     total = 0.0
@@ -392,7 +393,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--tasks", default=None,
                    help="comma-separated harness task names or task YAML paths (default: perplexity instead)")
@@ -404,12 +405,13 @@ if __name__ == "__main__":
     p.add_argument("--text_file", type=Path, default=None, help="perplexity: default held-out Python documentation")
     p.add_argument("--max_tokens", type=int, default=16384, help="perplexity: tokens of the text to score")
     p.add_argument("--seq_len", type=int, default=512, help="perplexity: window length")
-    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=4, help="windows (perplexity) or rows (tasks) a forward")
     p.add_argument("--compile", action="store_true",
-                   help="harness tasks: compile the scoring forward once (about a minute on a small CPU), which "
-                        "then scores faster (the repo's cloze 1.15x): worth it where scoring takes many minutes")
-    p.add_argument("--device", default=None)
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+                   help="harness tasks: compile the scoring forward once (a minute or more on a small CPU), which "
+                        "then scores faster (about 15%% on the repo's cloze): worth it where scoring takes many "
+                        "minutes")
+    p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="activations and unquantized weights")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help="default: --precision's")
     args = p.parse_args()
     if args.text_file and not args.text_file.is_file():
