@@ -52,6 +52,9 @@ def perplexity(model: Transformer, tokens: torch.Tensor, seq_len: int = 512, bat
                progress: bool = False, kv_cache_dtype: torch.dtype | None = None) -> float:
     """exp(mean next-token loss) over consecutive windows of seq_len tokens, the keys and values each
     window attends to stored in kv_cache_dtype (None: the model's dtype)."""
+    if seq_len > model.config.block_size:
+        raise UserError(f"windows of {seq_len} tokens exceed the model's context of {model.config.block_size}: "
+                        f"shorten them (--seq_len)")
     n_windows = len(tokens) // seq_len
     if n_windows == 0:
         raise UserError(f"the text has {len(tokens)} tokens, fewer than one window of {seq_len}: score more "

@@ -190,6 +190,8 @@ def test_perplexity_over_windows_that_do_not_fill_the_last_batch():
     tokens = torch.randint(0, 64, (3 * 16,))  # 3 windows of 16 in batches of 2
     assert ev.perplexity(model, tokens, seq_len=16, batch_size=2) == pytest.approx(
         ev.perplexity(model, tokens, seq_len=16, batch_size=1), rel=1e-5)
+    with pytest.raises(ev.UserError, match="windows of 128 tokens exceed the model's context of 64"):
+        ev.perplexity(model, torch.randint(0, 64, (300,)), seq_len=128)
 
 
 def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model):
