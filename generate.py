@@ -276,8 +276,13 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     stop_ids = [] if args.ignore_eos else tokenizer.stop_ids
     weight_bytes = weight_bytes_per_token(model)
     if args.compile:
-        print("compiling the decode step: the first run takes minutes on CPU, seconds once cached (a new "
-              "--max_new_tokens or prompt length may size the cache anew, and compile again)", file=sys.stderr)
+        print("compiling the decode step: the first run takes minutes on CPU, seconds once cached (for texts "
+              "up to the same cache length)", file=sys.stderr)
+        # compiled graphs fit one cache length; inductor keeps them on disk for the next run, which then
+        # finds them whatever its prompt and --max_new_tokens, as long as its text fits the same bucket
+        model.setup_caches(args.batch_size, compiled_cache_length(len(prompt) + args.max_new_tokens,
+                                                                  model.config.block_size),
+                           args.prefill_chunk, options["kv_cache_dtype"])
     # the first sample compiles; when compiling, a warm-up sample is run and not counted
     for i in range(-1 if args.compile else 0, args.num_samples):
         synchronize(device)
@@ -308,6 +313,13 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
               f"({args.batch_size} rows, {new / args.batch_size:.0f} tokens a row), {bandwidth}"
               f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
     return outputs
+
+
+def compiled_cache_length(n: int, context: int) -> int:
+    """The cache the command line gives compiled decoding for n positions: a power of two, at least
+    1024, never past the context. A step reads only the slots its text fills (decode.key_positions),
+    so the longer cache costs memory, not time."""
+    return min(max(1024, 1 << (n - 1).bit_length()), context)
 
 
 def check_run_args(args, device: str, world_size: int):

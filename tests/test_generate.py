@@ -394,3 +394,15 @@ def test_cli_speculative_prints_acceptance():
         assert result.returncode == 0, result.stderr
         assert "acceptance rate" in result.stderr and "tok/s" in result.stderr
         assert ("ending in an alternative" in result.stderr) == ("--draft_alternatives" in drafter)
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_compiled_runs_of_other_lengths_share_one_cache_length(monkeypatch):
+    """--compile sizes the cache to a power of two of at least 1024 positions: runs with other prompts
+    and --max_new_tokens then find the graphs an earlier run compiled (the compiling left out here)."""
+    monkeypatch.setattr(decode, "compile_steps", lambda **kwargs: None)
+    made, make = [], model.KVCache.__init__
+    monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args[1]) or make(self, *args))
+    for prompt, n in (("Hi", "8"), ("Tell me a story about a dragon and a knight.", "40")):
+        gen.main(gen.parse_args(["--compile", "--prompt", prompt, "--max_new_tokens", n, "--precision", "fp32"]))
+    assert set(made) == {1024 + 1}  # every layer's cache, in both runs: its slot past the end never written
