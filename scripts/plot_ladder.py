@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from errors import UserError, run_cli  # noqa: E402
+from errors import UserError, refuse, run_cli  # noqa: E402
 
 COLORS = {"floor": "#bbbbbb", "HF": "#f28e2b", "llama.cpp": "#b07aa1", "ours": "#4e79a7"}
 
@@ -54,5 +54,5 @@ if __name__ == "__main__":
     p.add_argument("png", help="the plot to write")
     args = p.parse_args()
     if not Path(args.json).is_file():
-        p.error(f"{args.json} does not exist")
+        refuse(f"{args.json} does not exist")
     run_cli(lambda args: plot(json.loads(Path(args.json).read_text()), args.png), args)
