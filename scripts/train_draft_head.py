@@ -1,6 +1,6 @@
 """Train an EAGLE-style draft head (speculative.DraftHead) for a model: minutes on a CPU.
 
-    python scripts/train_draft_head.py [--checkpoint_path X] [--text FILE] [--minutes 22]
+    python scripts/train_draft_head.py [--checkpoint_path X] [--text FILE] [--minutes 14]
     python generate.py --compile --draft head --prompt "..."    # then draft with it
 
 The target reads the text once, in windows, and its last layer's output at every position is kept.
@@ -11,12 +11,16 @@ over the head's vocabulary (cross-entropy against the target's own probabilities
 vocabulary is the `--vocab` tokens most frequent in the text. The input states get a little noise,
 as EAGLE's do (in the same units), since when drafting the head reads its own predictions after the first step.
 
-The default text is the documentation every Python ships (pydoc's topics). With --own_answers N, the
-target first writes about N tokens of its own chats (prompts made from the text: explain or summarize
-a paragraph, a story or a poem about one of its words; answers sampled), and the head trains on those
-as well: it drafts the target's answers, which read unlike documentation (self-distillation, as
-Medusa-2 does). The head is saved beside the checkpoint as draft_head.safetensors,
-with its config and the target's shape in its metadata.
+The default text is the documentation every Python ships (pydoc's topics and the standard library's
+docstrings), and about --own_answers tokens of the target's own chats: prompts made from that text
+(explain or summarize a paragraph, a story or a poem about one of its words), answers sampled. The
+head drafts the target's answers, which read unlike documentation, so it learns from them too
+(self-distillation, as Medusa-2 does): on the bundled model, 50k tokens of them took its agreement
+with the target on new chats from 18% to 27% for the same training (benchmarks/RESULTS.md, "The draft
+head on the target's own chats"). The head computes in bf16 when the target does, its weights and
+optimizer in fp32. Training stops at --epochs or --minutes, whichever comes first, and the learning
+rate falls to zero by then. The head is saved beside the checkpoint as draft_head.safetensors, with
+its config and the target's shape in its metadata.
 """
 
 import argparse
@@ -32,6 +36,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cpu_decode  # noqa: E402
 import generate as gen  # noqa: E402
 from errors import UserError, run_cli  # noqa: E402
 from model import Transformer, softcap  # noqa: E402
@@ -190,16 +195,22 @@ def train(args) -> list[float]:
     head.setup_caches(B, args.window)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     per_epoch = train_rows // B
-    steps = args.epochs * per_epoch
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps, pct_start=0.05)
-    deadline = time.monotonic() + 60 * args.minutes
+    steps, start, seconds = args.epochs * per_epoch, time.monotonic(), 60 * args.minutes
+
+    def done(step: int) -> float:  # the share of the run behind us, by steps or by time, whichever is further
+        return max(step / steps, (time.monotonic() - start) / seconds)
+
+    # a linear warm-up over the first 5% of the run, then linearly down to zero at its end
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, min(20 * done(step), 1 - done(step))))
+    bf16 = target.tok_embeddings.weight.dtype == torch.bfloat16 and not cpu_decode.SLOW_BF16_MATMUL
     bar = tqdm(range(steps), desc="training the draft head", unit="step")
     history = []
     for step in bar:
         if step % per_epoch == 0:
             order = torch.randperm(train_rows)
         batch = order[step % per_epoch * B:][:B]
-        regression, cross_entropy, agree = losses(head, target, windows[batch], states[batch], scale, args.noise)
+        with torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=bf16):
+            regression, cross_entropy, agree = losses(head, target, windows[batch], states[batch], scale, args.noise)
         loss = regression + args.cross_entropy_weight * cross_entropy
         optimizer.zero_grad()
         loss.backward()
@@ -208,8 +219,10 @@ def train(args) -> list[float]:
         schedule.step()
         history.append(loss.item())
         bar.set_postfix(state=f"{regression.item():.3f}", xent=f"{cross_entropy.item():.3f}", top1=f"{agree.item():.2f}")
-        if time.monotonic() > deadline:
-            print(f"\nstopped at the time limit (--minutes {args.minutes}), step {step + 1} of {steps}", file=sys.stderr)
+        if done(step + 1) >= 1:
+            if step + 1 < steps:
+                print(f"\nstopped at the time limit (--minutes {args.minutes}), step {step + 1} of {steps}",
+                      file=sys.stderr)
             break
     with torch.no_grad():
         agreement = [losses(head, target, windows[i: i + B], states[i: i + B], scale)[2]
@@ -231,11 +244,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: this many most frequent tokens")
     p.add_argument("--window", type=int, default=512, help="tokens the target reads at once")
     p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows: the text's last")
-    p.add_argument("--own_answers", type=int, default=0, metavar="N",
-                   help="train on about N tokens of the target's own answers too (written first)")
+    p.add_argument("--own_answers", type=int, default=50000, metavar="N",
+                   help="train on about N tokens of the target's own answers too (written first; 0: none)")
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--minutes", type=float, default=22, help="stop training after this long")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--minutes", type=float, default=14, help="stop training after this long")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on the input states, +-this times their RMS")
     p.add_argument("--cross_entropy_weight", type=float, default=0.1)

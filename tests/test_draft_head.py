@@ -129,7 +129,8 @@ def test_too_few_windows_to_train_on_is_one_line(tiny_checkpoint, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(python_docs_text("calibration")[:30000])
     args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
-                                        "--window", "64", "--max_windows", "8", "--precision", "fp32"])
+                                        "--window", "64", "--max_windows", "8", "--precision", "fp32",
+                                        "--own_answers", "0"])
     with pytest.raises(UserError, match="8 windows of 64 tokens leave fewer than --batch_size 8 to train on"):
         train_draft_head.train(args)
     int8 = quantize.quantize(tiny_checkpoint, "int8", output=tiny_checkpoint.parent / "fastllama_int8.safetensors")
