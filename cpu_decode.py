@@ -20,7 +20,7 @@ Where oneDNN has bf16 kernels of its own (AVX-512 bf16, AMX), `pack(model)` give
 second copy of its weight in oneDNN's layout, which its product of a few rows reads at the memory's
 speed and of many rows 10-15% faster than F.linear's: speculative_generate packs its target, so that
 a verify step's k + 1 rows cost less, and eval.py its model, for its scoring forwards (the one-row
-loop above stays faster for one row, so the plain weights stay too).
+loop above stays faster for one or two rows, so the plain weights stay too).
 
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
 model.py's own, so compiled decoding computes what eager decoding computes.
@@ -122,8 +122,7 @@ def compiling_few_rows(x: Tensor) -> bool:
 
 
 # oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)
-# near the memory's speed at a few rows, faster there than the loop of rows_product and than F.linear;
-# at one row the loop is the fastest (benchmarks/RESULTS.md, "Packed weights for verify steps")
+# near the memory's speed at a few rows, faster there than the loop of rows_product and than F.linear
 PACKABLE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 if PACKABLE:
@@ -140,17 +139,23 @@ if PACKABLE:
     _ops.impl("packed_linear", lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
 
 
+# rows up to which compiled code keeps the loop though a packed weight is there: faster at one row, and
+# at two, where oneDNN's product costs about what it costs at six (benchmarks/RESULTS.md, "Packed weights
+# for verify steps" and "The draft head on the target's own chats")
+LOOP_ROWS = 2
+
+
 class FewRowLinear(nn.Linear):
     """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
     rows runs in matmul_dtype (same weights, another forward). Once pack() has made a packed weight,
-    every bf16 product but a compiled one-row product is oneDNN's over it."""
+    every bf16 product but a compiled one of at most LOOP_ROWS rows is oneDNN's over it."""
 
     packed: Tensor | None = None  # the weight in oneDNN's layout (pack())
     packed_from: tuple | None = None  # the weight it was made from: (storage address, version)
 
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
-        if self.packed_is_current() and x.dtype == torch.bfloat16 and not (few and x.shape[:-1].numel() == 1):
+        if self.packed_is_current() and x.dtype == torch.bfloat16 and not (few and x.shape[:-1].numel() <= LOOP_ROWS):
             return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
         if few:
             y = few_rows_product(x, self.weight)

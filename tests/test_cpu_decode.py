@@ -112,11 +112,11 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels on this CPU")
 @torch.no_grad()
-def test_products_read_the_packed_weight_but_a_compiled_single_row():
-    """After pack(), a compiled bf16 product of 2 to FEW_ROWS rows is oneDNN's over its packed copy of
-    the weight (F.linear's result, bias included) and one row keeps the fused loop; so is an eager
-    product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new one for a
-    weight written in place, and until it does, eager products read the weight as it is."""
+def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
+    """After pack(), a compiled bf16 product of 3 to FEW_ROWS rows is oneDNN's over its packed copy of
+    the weight (F.linear's result, bias included) and one or two rows (LOOP_ROWS) keep the fused loop;
+    so is an eager product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new
+    one for a weight written in place, and until it does, eager products read the weight as it is."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
     cpu_decode.apply(linear)
@@ -132,10 +132,10 @@ def test_products_read_the_packed_weight_but_a_compiled_single_row():
         return compile_fx(gm, example_inputs)
 
     step = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=False)
-    for rows in (1, 6):
+    for rows in (1, 2, 3, 6):
         x = torch.randn(1, rows, 64).bfloat16()
         torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    assert ["packed_linear" in graph.code for graph in graphs] == [False, True]
+    assert ["packed_linear" in graph.code for graph in graphs] == [False, False, True, True]
     for rows in (1, 40):
         x = torch.randn(2, rows, 64).bfloat16()
         with torch.profiler.profile() as profile:
