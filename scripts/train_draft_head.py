@@ -202,14 +202,15 @@ def train(args) -> list[float]:
 
     # a linear warm-up over the first 5% of the run, then linearly down to zero at its end
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, min(20 * done(step), 1 - done(step))))
-    bf16 = target.tok_embeddings.weight.dtype == torch.bfloat16 and not cpu_decode.SLOW_BF16_MATMUL
+    weight = target.tok_embeddings.weight  # bf16 autocast where the target is bf16, but on a CPU without bf16 matmuls
+    bf16 = weight.dtype == torch.bfloat16 and not (weight.device.type == "cpu" and cpu_decode.SLOW_BF16_MATMUL)
     bar = tqdm(range(steps), desc="training the draft head", unit="step")
     history = []
     for step in bar:
         if step % per_epoch == 0:
             order = torch.randperm(train_rows)
         batch = order[step % per_epoch * B:][:B]
-        with torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=bf16):
+        with torch.autocast(weight.device.type, torch.bfloat16, enabled=bf16):
             regression, cross_entropy, agree = losses(head, target, windows[batch], states[batch], scale, args.noise)
         loss = regression + args.cross_entropy_weight * cross_entropy
         optimizer.zero_grad()
