@@ -171,6 +171,17 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
         raise UserError(f"{path} is not a readable model config ({e}): convert the checkpoint again")
 
 
+def copy_companions(checkpoint_path: Path, directory: Path):
+    """Give weights written from checkpoint_path into another directory the files read beside them
+    (model_config.json, the tokenizer's, the chat template): each file of the checkpoint's folder that
+    is not weights, where directory has none of that name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in Path(checkpoint_path).parent.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".partial"):
+            if not (directory / f.name).exists():
+                write_atomically(directory / f.name, lambda out, f=f: out.write(f.read_bytes()), binary=True)
+
+
 def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     """The checkpoint file a user means: a directory means its fastllama.safetensors, and so does a
     Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted)."""

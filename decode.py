@@ -60,10 +60,7 @@ def sample_from(probs: Tensor) -> Tensor:
 
 def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
     """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
-    of each row, (B, 1). Prompts of one token take the decode step: compiled prefill would otherwise
-    compile a graph for that length alone (a dynamic dimension of size 1 is specialized)."""
-    if idx.shape[1] == 1:
-        return decode_one_token(model, idx, torch.zeros_like(idx), key_positions(model, 1), **sampling)
+    of each row, (B, 1)."""
     return sample(prefill_logits(model, idx, lengths)[:, 0], **sampling)
 
 
@@ -71,24 +68,36 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, states: boo
     """Fill the cache with the prompts, `model.chunk` positions a forward, so that activation memory is
     bounded by the chunk whatever the prompt's length, and compiled prefill sees a few shapes only.
     Returns the logits of each row's last prompt position, (B, 1, V); with states, also the last
-    layer's output at every position (B, T, dim), for a drafter that reads them."""
+    layer's output at every position (B, T, dim), for a drafter that reads them. A prompt of one
+    token is run uncompiled: compiled prefill specializes a dimension of size 1, and would compile a
+    graph for that length alone."""
     T = idx.shape[1]
     positions, last = prompt_positions(lengths, T, model.chunk), lengths - 1
+    forward = getattr(prefill_chunk, "__wrapped__", prefill_chunk) if T == 1 else prefill_chunk
     logits, hidden = None, []
-    for start in range(0, T, model.chunk):
-        end = min(start + model.chunk, T)
+    for start, end in chunk_bounds(T, model.chunk):
         # each row's logits come from the chunk that holds its last position
         in_chunk_last = (last - start).clamp(0, end - start - 1)
         # copies with strides of their own (a slice keeps the whole row's), so that compiled prefill
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
         ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
-        chunk_logits, chunk_states = prefill_chunk(model, ids, pos, in_chunk_last, key_positions(model, end))
+        chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, key_positions(model, end))
         mine = ((last >= start) & (last < end)).view(-1, 1, 1)
         logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
         if states:
             hidden.append(chunk_states)
     return (logits, torch.cat(hidden, dim=1)) if states else logits
+
+
+def chunk_bounds(T: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) of prefill's forwards over T positions, at most `chunk` each. A last chunk of one
+    position takes two instead, one from the chunk before it (where that leaves it more than one), for
+    the reason prefill_logits runs a one-token prompt uncompiled."""
+    starts = list(range(0, T, chunk))
+    if len(starts) > 1 and T - starts[-1] == 1 and chunk > 2:
+        starts[-1] -= 1
+    return list(zip(starts, [*starts[1:], T]))
 
 
 def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor

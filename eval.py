@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cpu_decode
+from checkpoint import write_json
 from errors import UserError, refuse, run_cli
 from decode import key_positions
 from generate import KV_CACHE_DTYPES, PRECISIONS, HelpFormatter, generate, get_tokenizer, load_model
@@ -391,7 +392,7 @@ def main(args):
 
         print(make_table(results))
         if args.output:
-            Path(args.output).write_text(json.dumps(results["results"], indent=2, default=str))
+            write_json(args.output, results["results"])
     return results
 
 
@@ -404,7 +405,7 @@ if __name__ == "__main__":
     p.add_argument("--num_fewshot", type=int, default=None)
     p.add_argument("--apply_chat_template", action="store_true", help="prompts in the model's chat template")
     p.add_argument("--max_length", type=int, default=None, help="tokens a request may take (default: the context)")
-    p.add_argument("--output", default=None, help="with --tasks: write the results as JSON")
+    p.add_argument("--output", type=Path, default=None, help="with --tasks: write the results as JSON")
     p.add_argument("--text_file", type=Path, default=None, help="perplexity: default held-out Python documentation")
     p.add_argument("--max_tokens", type=int, default=16384, help="perplexity: tokens of the text to score")
     p.add_argument("--seq_len", type=int, default=512, help="perplexity: window length")
@@ -425,4 +426,10 @@ if __name__ == "__main__":
         refuse("--compile is for harness tasks (--tasks)")
     if args.seq_len < 2:
         refuse("--seq_len must be at least 2 (a window's first token predicts the next)")
+    if args.batch_size < 1:
+        refuse("--batch_size must be at least 1")
+    if args.output and not args.tasks:
+        refuse("--output writes harness results: it goes with --tasks")
+    if args.output and not args.output.resolve().parent.is_dir():  # found now, not after hours of scoring
+        refuse(f"--output {args.output}: its folder does not exist")
     run_cli(main, args)

@@ -29,6 +29,7 @@ from tokenizer import Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+PROMPT = "Tell me about Paris"  # the command line's default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
         raise UserError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
     checkpoint_path = find_checkpoint(checkpoint_path)
     device = device or default_device()
+    check_device(device)
     model, select = empty_model(load_config(checkpoint_path), quantize.read_scheme(read_metadata(checkpoint_path)),
                                 rank, world_size)
     state_dict, _ = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select)
@@ -102,6 +104,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str):
+    """Refuse, in one line, a device this PyTorch does not know or this machine does not have."""
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        raise UserError(f"--device {device} is not a device PyTorch knows: cpu, cuda or cuda:N, for example")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}, but this PyTorch has no CUDA device: leave out --device, or install "
+                        f"PyTorch's CUDA build")
+    if device.startswith("cuda") and index is not None and index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}, but this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"numbered from cuda:0")
+
+
 # ---------------------------------------------------------------------------------------------
 # Generating
 
@@ -110,8 +126,8 @@ def default_device() -> str:
 def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_ids: list[int] | None = None, callback=None, drafter: speculative.Drafter | None = None,
-             speculate_k: int = 5, stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
-             kv_cache_dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
+             speculate_k: int = speculative.SPECULATE_K, stats: dict | None = None,
+             prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
     """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
     Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
     token. callback, if given, is called after each step with one list of new token ids per row:
@@ -218,13 +234,13 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
 def peak_memory_gb(device: str) -> float:
     if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 1e9
+        return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
 
 
 def synchronize(device: str):
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +303,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     for i in range(-1 if args.compile else 0, args.num_samples):
         synchronize(device)
         t0 = time.perf_counter()
-        profiling = args.profile and i == args.num_samples - 1
+        profiling = args.profile and i == args.num_samples - 1 and rank == 0
         stats = {}
         with profiler(args.profile) if profiling else contextlib.nullcontext():
             outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, stop_ids=stop_ids, stats=stats,
@@ -302,7 +318,7 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
             print(f"[{row + 1}/{len(outputs)}] {text}" if len(outputs) > 1 else text)
         new = sum(len(o) - len(prompt) for o in outputs)
         cut = sum(len(o) - len(prompt) == args.max_new_tokens and int(o[-1]) not in stop_ids for o in outputs)
-        if cut:
+        if cut and not args.ignore_eos:
             print(f"({cut} of {len(outputs)} rows stopped at --max_new_tokens {args.max_new_tokens}, not at the end "
                   f"of the answer)", file=sys.stderr)
         if stats:
@@ -324,17 +340,11 @@ def compiled_cache_length(n: int, context: int) -> int:
 
 def check_run_args(args, device: str, world_size: int):
     """What can be refused before anything is loaded."""
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device {device} is not a device PyTorch knows: cpu, cuda or cuda:N, for example")
+    check_device(device)
     if args.compile and device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")):
         raise UserError("--compile on CPU needs a C++ compiler (g++ or clang++) on PATH")
     if args.compile and device.startswith("cuda") and importlib.util.find_spec("triton") is None:
         raise UserError("--compile on GPU needs triton (it comes with PyTorch's CUDA wheels)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}, but this PyTorch has no CUDA device: leave out --device, or install "
-                        f"PyTorch's CUDA build")
     if args.kv_cache_dtype:
         check_kv_cache_dtype(KV_CACHE_DTYPES[args.kv_cache_dtype], torch.device(device))
     if args.batch_size < 1 or args.num_samples < 1:
@@ -380,7 +390,9 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str,
 def profiler(path: str):
     with torch.profiler.profile() as prof:
         yield
-    prof.export_chrome_trace(path)
+    partial = f"{path}.{os.getpid()}.partial"  # renamed into place once whole, as checkpoint.write_atomically
+    prof.export_chrome_trace(partial)
+    os.replace(partial, path)
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
@@ -444,7 +456,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="a converted checkpoint's directory or .safetensors file (default: the bundled "
                         "SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", default="Tell me about Paris", help="what to continue (or answer, in chat)")
+    p.add_argument("--prompt", default=None, help=f"what to continue (or answer, in chat) (default: {PROMPT!r})")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat, streaming the answers")
@@ -468,7 +480,8 @@ def parse_args(argv=None):
     p.add_argument("--draft_head", type=Path, default=None,
                    help=f"speculative decoding with this draft head (default with --draft head: "
                         f"{speculative.HEAD_NAME} beside the checkpoint)")
-    p.add_argument("--speculate_k", type=int, default=5, help="tokens drafted per step")
+    p.add_argument("--speculate_k", type=int, default=None,
+                   help=f"tokens drafted per step (default: {speculative.SPECULATE_K})")
     p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
                    help="tree drafting: the target also checks the drafter's next M best tokens at each depth, "
                         "in the same forward (a draft model or head)")
@@ -484,13 +497,29 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="TRACE.json",
                    help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        refuse("--max_new_tokens must be at least 1")
     if args.prefill_chunk < 1:
         refuse("--prefill_chunk must be at least 1")
+    if args.profile and not Path(args.profile).resolve().parent.is_dir():
+        refuse(f"--profile {args.profile}: its folder does not exist")
+    ignored = [name for name, given in (("--prompt", args.prompt is not None), ("--profile", args.profile),
+                                        ("--ignore_eos", args.ignore_eos), ("--no-chat", args.chat is False))
+               if given]
+    if args.interactive and ignored:
+        refuse(f"--interactive reads its prompts from the terminal, in the chat template, and stops at the end of "
+               f"each answer: leave out {', '.join(ignored)}")
     if args.compile_prefill and not args.compile:
         refuse("--compile_prefill goes with --compile")
     drafters = (args.draft_checkpoint_path, args.draft_head or args.draft == "head", args.draft not in (None, "head"))
     if sum(map(bool, drafters)) > 1:
         refuse("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
+    if args.speculate_k is not None and not any(drafters):
+        refuse("--speculate_k goes with a drafter: --draft, --draft_checkpoint_path or --draft_head")
+    if args.speculate_k is not None and args.speculate_k < 1:
+        refuse("--speculate_k must be at least 1")
+    args.prompt = PROMPT if args.prompt is None else args.prompt
+    args.speculate_k = speculative.SPECULATE_K if args.speculate_k is None else args.speculate_k
     if args.draft_alternatives < 0:
         refuse("--draft_alternatives must be 0 or more")
     if args.draft_alternatives and not (args.draft_checkpoint_path or drafters[1] or args.draft == "self-int4"):

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import Group, load_config, read_metadata, resolve_checkpoint, single, write_safetensors
+from checkpoint import (Group, copy_companions, load_config, read_metadata, resolve_checkpoint, single,
+                        write_safetensors)
 from cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
@@ -367,12 +368,15 @@ def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path | None = None,
              calibration_file: Path | None = None, calibration_samples: int = 32, calibration_seq_len: int = 512
              ) -> Path:
-    """Write a quantized copy of a checkpoint beside it, tensor by tensor."""
+    """Write a quantized copy of a checkpoint beside it (or at output, with copies of the files read
+    beside the weights), tensor by tensor."""
     checkpoint_path = resolve_checkpoint(checkpoint_path)
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "int4-gguf":
-        return import_gguf_int4(checkpoint_path, output)
+        path = import_gguf_int4(checkpoint_path, output)
+        copy_companions(checkpoint_path, path.parent)
+        return path
     if mode == "int4-gptq" and min(calibration_samples, calibration_seq_len) < 1:
         raise UserError("GPTQ needs at least one calibration sample of at least one token")
     if mode != "int8" and groupsize not in GROUPSIZES:
@@ -408,6 +412,7 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
             groups.append(single(name, torch.bfloat16, tensor.shape, lambda read=read: read().bfloat16()))
     write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(checkpoint_path)},
                       desc=f"quantizing to {mode}")
+    copy_companions(checkpoint_path, output.parent)
     return output
 
 

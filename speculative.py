@@ -32,6 +32,8 @@ from checkpoint import read_safetensors, single, write_safetensors
 from errors import UserError
 from model import PREFILL_CHUNK, ModelArgs, Transformer, rows_at
 
+SPECULATE_K = 5  # tokens drafted a round, unless the caller says otherwise
+
 
 class Drafter:
     """Proposes draft tokens for speculative decoding. tokens (B, L) hold each row's text so far,
@@ -291,7 +293,7 @@ def with_alternatives(choice: Tensor, scores: Tensor, m: int) -> Tensor:
 
 
 def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_tokens: int, drafter: Drafter, *,
-                         speculate_k: int = 5, temperature: float = 0.0, top_k: int | None = None,
+                         speculate_k: int = SPECULATE_K, temperature: float = 0.0, top_k: int | None = None,
                          top_p: float | None = None, stop_ids: list[int] | None = None, callback=None,
                          stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
                          kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:

@@ -255,10 +255,16 @@ def test_bad_tasks_are_one_line(tmp_path):
         assert run.stderr.strip().splitlines()[-1].startswith("error: ") and message in run.stderr, run.stderr
 
 
-def test_a_perplexity_window_shorter_than_two_tokens_is_one_line():
-    run = cli("--seq_len", "1")
-    assert run.returncode == 1 and run.stderr.strip() == "error: --seq_len must be at least 2 (a window's first token " \
-        "predicts the next)"
+@pytest.mark.usefixtures("bundled_checkpoint")  # --device is checked as the model loads
+@pytest.mark.parametrize("argv, message", [
+    (["--seq_len", "1"], "--seq_len must be at least 2 (a window's first token predicts the next)"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--tasks", str(CLOZE), "--output", "missing/results.json"], "--output missing/results.json: its folder does not exist"),
+    (["--device", "foo"], "--device foo is not a device PyTorch knows: cpu, cuda or cuda:N, for example"),
+])
+def test_bad_arguments_are_one_line(argv, message):
+    run = cli(*argv)
+    assert run.returncode == 1 and run.stderr.strip() == f"error: {message}", run.stderr[-2000:]
 
 
 def test_tasks_without_the_harness_say_what_to_install(tmp_path):

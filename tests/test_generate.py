@@ -70,8 +70,9 @@ def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
 
 @torch.no_grad()
 def test_chunked_prefill_equals_one_forward(model_fp32, monkeypatch):
-    """Prompts prefilled 8 positions a forward (3 forwards for 17) leave the logits and the cache of
-    one forward over all of them (fp32), with rows ending before, on and after chunk boundaries."""
+    """Prompts prefilled 8 positions a forward (3 forwards for 17: 8, 7 and 2, since a last chunk of
+    one position takes one more) leave the logits and the cache of one forward over all of them (fp32),
+    with rows ending before, on and after chunk boundaries."""
     lengths = torch.tensor([7, 8, 9, 17])
     idx = torch.randint(0, 1000, (4, 17), generator=torch.Generator().manual_seed(0))
     forwards, forward = [], decode.prefill_chunk
@@ -84,7 +85,7 @@ def test_chunked_prefill_equals_one_forward(model_fp32, monkeypatch):
         caches = [layer.attention.kv_cache.k_cache.clone() for layer in model_fp32.layers[::10]]
         results.append((logits, [[c[row, :, :n] for row, n in enumerate(lengths)] for c in caches]))
     (chunked, chunked_caches), (whole, whole_caches) = results
-    assert forwards == [8, 8, 1, 17]
+    assert forwards == [8, 7, 2, 17]
     assert ((chunked - whole).abs().max() / whole.abs().max()).item() <= 1e-5
     for chunked_rows, whole_rows in zip(chunked_caches, whole_caches):
         for a, b in zip(chunked_rows, whole_rows):
@@ -96,8 +97,10 @@ def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_soft
     """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
     shapes: prompts of several lengths, each filled in chunks, share one graph, chunks of a few rows
     (which one-row products and verify attention treat apart when their count is static) included, and
-    a one-token prompt takes the decode step (a dynamic size of 1 would be specialized: a second graph)."""
+    prompts of one token and last chunks of one position (a dynamic size of 1 would be specialized: a
+    second graph), plain and speculative."""
     import cpu_decode
+    import speculative
     from model import ModelArgs, Transformer
 
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
@@ -106,12 +109,14 @@ def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_soft
     graphs = []
     monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
         decode.prefill_chunk, fullgraph=True, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm))
-    lengths = (1, 10, 13, 20, 30, 40)  # chunks of 16, and last chunks of 4 to 14
-    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16) for n in lengths]
+    lengths = (1, 10, 13, 17, 20, 30, 33, 40)  # chunks of 16, and last chunks of 1 to 14
+    drafters = (None, speculative.PromptLookup())
+    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16, drafter=drafter)
+               for n in lengths for drafter in drafters]
     assert len(graphs) == 1
     monkeypatch.undo()
-    assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0,
-                                                      prefill_chunk=16).tolist() for n in lengths]
+    assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16,
+                                                      drafter=drafter).tolist() for n in lengths for drafter in drafters]
 
 
 @torch.no_grad()
@@ -268,6 +273,11 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "fp8 KV cache needs a GPU with fp8" in cli_error(["--kv_cache_dtype", "fp8", "--device", "cpu"])
     assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
     assert "--prefill_chunk must be at least 1" in cli_error(["--prefill_chunk", "0"])
+    assert "--max_new_tokens must be at least 1" in cli_error(["--max_new_tokens", "0"])
+    assert "its folder does not exist" in cli_error(["--profile", str(tmp_path / "missing" / "trace.json")])
+    assert "leave out --prompt, --ignore_eos" in cli_error(["--interactive", "--prompt", "hi", "--ignore_eos"])
+    assert "--speculate_k goes with a drafter" in cli_error(["--speculate_k", "3"])
+    assert "--speculate_k must be at least 1" in cli_error(["--draft", "prompt-lookup", "--speculate_k", "0"])
     tokenizer_file = bundled_checkpoint.parent / "tokenizer.json"
     assert "give the converted checkpoint's directory" in cli_error(["--checkpoint_path", str(tokenizer_file)])
     if not torch.cuda.is_available():
@@ -302,7 +312,9 @@ def test_cli_stops_at_the_end_of_the_answer(capsys):
             assert "[1/2] " in printed and "[2/2] " in printed
     outputs = gen.main(gen.parse_args(argv + ["--ignore_eos"]))
     assert len(outputs[0]) == prompt_len + 60
-    assert "(1 of 1 rows stopped at --max_new_tokens 60, not at the end of the answer)" in capsys.readouterr().err
+    assert "stopped at --max_new_tokens" not in capsys.readouterr().err  # as asked: no note
+    gen.main(gen.parse_args(["--temperature", "0", "--max_new_tokens", "3", "--precision", "fp32"]))  # "Paris"
+    assert "(1 of 1 rows stopped at --max_new_tokens 3, not at the end of the answer)" in capsys.readouterr().err
 
 
 def test_help_shows_defaults(capsys):
@@ -380,8 +392,7 @@ def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
     made, make = [], model.KVCache.__init__
     monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args) or make(self, *args))
     with pytest.raises(UserError, match="reached its context of 100 positions"):
-        gen.run(gen.parse_args(["--interactive", "--context", "100", "--precision", "fp32", "--max_new_tokens", "200",
-                                "--ignore_eos"]))
+        gen.run(gen.parse_args(["--interactive", "--context", "100", "--precision", "fp32", "--max_new_tokens", "200"]))
     assert len(made) == gen.load_config(gen.find_checkpoint(None)).n_layer, [args[1] for args in made]
 
 

@@ -5,7 +5,6 @@ The kernel checks draw fresh random data on every run (no seed): their bounds ho
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,17 +217,13 @@ def test_rtn_int4_reproduces_weights_within_half_a_step(groupsize):
 
 
 def quantize_bundled(bundled_checkpoint, tmp_path_factory, mode: str, groupsize: int) -> Path:
-    """Quantize the bundled model into a fresh directory holding only its config and tokenizer
-    files, then give the file a neutral name: the scheme must come from its metadata."""
-    src = Path(bundled_checkpoint).parent
+    """Quantize the bundled model into a fresh directory, which quantize completes with copies of the
+    config and tokenizer files, then give the file a neutral name: the scheme must come from its metadata."""
     out_dir = tmp_path_factory.mktemp(f"{mode}-g{groupsize}")
-    for f in src.iterdir():  # the small files: config, tokenizer; not the weights
-        if f.is_file() and (f.suffix == ".json" or f.name == "tokenizer.model"):
-            shutil.copy(f, out_dir / f.name)
-    assert (out_dir / CONFIG_NAME).is_file()
     target = out_dir / f"model_{mode}.g{groupsize}.safetensors"
     assert quantize.quantize(bundled_checkpoint, mode, groupsize, output=target) == target
-    assert not list(out_dir.glob("*.partial"))
+    assert (out_dir / CONFIG_NAME).is_file() and (out_dir / "tokenizer.json").is_file()
+    assert not list(out_dir.glob("*.partial")) and len(list(out_dir.glob("*.safetensors"))) == 1
     neutral = out_dir / "weights.safetensors"
     target.rename(neutral)
     return neutral
