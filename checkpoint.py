@@ -11,6 +11,7 @@ half-written behind.
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -171,15 +172,19 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
         raise UserError(f"{path} is not a readable model config ({e}): convert the checkpoint again")
 
 
+# the files read beside a checkpoint's weights: load_config's, then tokenizer.load_tokenizer's
+COMPANIONS = (CONFIG_NAME, "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
+              "chat_template.jinja")
+
+
 def copy_companions(checkpoint_path: Path, directory: Path):
-    """Give weights written from checkpoint_path into another directory the files read beside them
-    (model_config.json, the tokenizer's, the chat template): each file of the checkpoint's folder that
-    is not weights, where directory has none of that name."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for f in Path(checkpoint_path).parent.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".partial"):
-            if not (directory / f.name).exists():
-                write_atomically(directory / f.name, lambda out, f=f: out.write(f.read_bytes()), binary=True)
+    """Give weights written from checkpoint_path into another directory copies of the COMPANIONS
+    beside them, where directory has none of that name."""
+    for name in COMPANIONS:
+        source, copy = Path(checkpoint_path).parent / name, Path(directory) / name
+        if source.is_file() and not copy.exists():
+            with open(source, "rb") as f:
+                write_atomically(copy, lambda out, f=f: shutil.copyfileobj(f, out), binary=True)
 
 
 def resolve_checkpoint(checkpoint_path: Path | str) -> Path:

@@ -229,7 +229,8 @@ def readable(file: Path, open_file):
     try:
         return open_file()
     except Exception as e:  # safetensors and torch.load raise their own types
-        raise UserError(f"{file} is not a readable weights file ({str(e).splitlines()[0]}): download it again "
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{file} is not a readable weights file ({reason}): download it again "
                         f"with scripts/download.py")
 
 
@@ -304,8 +305,9 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
         raise UserError(f"{len(unused)} tensors of this {architecture} have no "
                         f"place in the model (e.g. {unused[0]!r}): its architecture is not one this library "
                         f"computes")
-    write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
+    # the config first, the weights last: a run cut short leaves no weights without their config
     write_json(output.parent / CONFIG_NAME, asdict(args))
+    write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
     return output
 
 
@@ -365,15 +367,20 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    names = gguf_names(args)
+    unused = sorted(set(tensors) - {n for parts in names.values() for n, _ in parts})
+    if unused:  # rope_freqs.weight (Llama 3.1's RoPE scaling), say: a model this import would compute wrong
+        raise UserError(f"{gguf_path} has {len(unused)} tensors this import leaves out (e.g. {unused[0]!r}): "
+                        f"convert the model's Hugging Face checkpoint instead")
     entries = [single(name, torch.float32, shapes[name],
                       lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
-               for name, parts in gguf_names(args).items()]
+               for name, parts in names.items()]
 
     out_dir = Path(out_dir)
     write_gguf_tokenizer(meta, out_dir)
+    write_json(out_dir / CONFIG_NAME, asdict(args))  # before the weights, whose presence says "converted"
     output = out_dir / CHECKPOINT_NAME
     write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
-    write_json(out_dir / CONFIG_NAME, asdict(args))
     return output
 
 

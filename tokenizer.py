@@ -145,7 +145,9 @@ def render_chat_template(template: str, messages: list[dict], special_tokens: di
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+        # tools and documents None, as transformers passes them: a template may test `tools is not none`
+        return env.from_string(template).render(messages=messages, tools=None, documents=None,
+                                                add_generation_prompt=True, **special_tokens)
     except TemplateError as e:
         raise UserError(f"the checkpoint's chat template cannot render this dialog: {e}") from None
 

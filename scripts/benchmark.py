@@ -47,7 +47,7 @@ import tp  # noqa: E402
 from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
-from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
+from model import ModelArgs, MoEFeedForward, Transformer, transformer_configs  # noqa: E402
 
 
 def timed(fn, device) -> float:
@@ -194,8 +194,6 @@ def randomized(model: Transformer) -> Transformer:
 def dense_twin(c: ModelArgs, args) -> Transformer:
     """The dense model with a MoE model's active size: each routed MLP replaced by one MLP as wide as
     the experts a token goes through, random weights."""
-    if not c.n_experts:
-        raise UserError(f"--dense-twin needs a mixture-of-experts --model; {args.model} is dense")
     config = dataclasses.replace(c, n_experts=0, moe_layers=None,
                                  intermediate_size=c.n_active_experts * c.moe_intermediate_size)
     return random_model(config, args)
@@ -870,5 +868,17 @@ if __name__ == "__main__":
                 "is measured too)")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
+    # found now, not after minutes of measuring the rungs before the one that reads them
+    for path in [q for q in args.quantized if q not in ("int8", "int4")] + [args.draft_checkpoint_path, args.draft_head]:
+        if path and not Path(path).exists():
+            refuse(f"{path} does not exist")
+    if args.groupsize not in quantize.GROUPSIZES:
+        refuse(f"--groupsize must be one of {quantize.GROUPSIZES}")
+    if args.speculate_k < 1 or args.draft_alternatives < 0 or args.prompt_length < 1:
+        refuse("--speculate_k and --prompt_length must be at least 1, --draft_alternatives 0 or more")
+    if args.model and args.model not in transformer_configs:
+        refuse(f"unknown --model {args.model!r}; known: {', '.join(transformer_configs)}")
+    if args.dense_twin and not (args.model and ModelArgs.from_name(args.model).n_experts):
+        refuse("--dense-twin goes with a mixture-of-experts --model")
     modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

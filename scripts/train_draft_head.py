@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cpu_decode  # noqa: E402
 import generate as gen  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from errors import UserError, refuse, run_cli  # noqa: E402
 from model import Transformer, softcap  # noqa: E402
 from quantize import python_docs_text  # noqa: E402
 from speculative import HEAD_NAME, DraftHead, save_head  # noqa: E402
@@ -166,6 +166,11 @@ def training_windows(args, target: Transformer, tokenizer) -> tuple[Tensor, Tens
     return ids, windows[-args.max_windows:] if args.max_windows else windows
 
 
+def held_out(windows: int) -> int:
+    """Windows kept from training, the text's last 5%: the agreement reported at the end."""
+    return max(1, windows // 20)
+
+
 def train(args) -> list[float]:
     """Train and save the head; returns the training loss at each step."""
     from tqdm import tqdm
@@ -175,12 +180,17 @@ def train(args) -> list[float]:
     if not target.output.weight.is_floating_point():  # the head starts from, and learns, the output layer's rows
         raise UserError(f"{gen.find_checkpoint(args.checkpoint_path)} is quantized: train the head on the "
                         f"checkpoint it was quantized from (the head drafts for its quantized copies too)")
-    ids, windows = training_windows(args, target, gen.get_tokenizer(args.checkpoint_path))
-    held_out = max(1, len(windows) // 20)  # the last 5%: the agreement reported at the end
-    train_rows, B = len(windows) - held_out, args.batch_size
+    if args.window > target.config.block_size:
+        raise UserError(f"--window {args.window} is longer than the model's context, {target.config.block_size}")
+    tokenizer = gen.get_tokenizer(args.checkpoint_path)
+    if args.own_answers and not tokenizer.can_chat:
+        raise UserError("this model has no chat template, so it cannot write its own chats to train on: "
+                        "pass --own_answers 0")
+    ids, windows = training_windows(args, target, tokenizer)
+    train_rows, B = len(windows) - held_out(len(windows)), args.batch_size
     if train_rows < B:
         raise UserError(f"{len(windows)} windows of {args.window} tokens leave fewer than --batch_size {B} to "
-                        f"train on after {held_out} held out: give more text, or a larger --max_windows")
+                        f"train on after {held_out(len(windows))} held out: give more text, or a larger --max_windows")
     vocab_size, counts = min(args.vocab, target.config.vocab_size), ids.bincount(minlength=target.config.vocab_size)
     vocab = counts.topk(vocab_size).indices.sort().values
     print(f"{len(windows)} windows of {args.window} tokens; the head's vocabulary: the {vocab_size} most frequent "
@@ -255,7 +265,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cross_entropy_weight", type=float, default=0.1)
     p.add_argument("--device", default=gen.default_device())
     p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16", help="the target's")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("vocab", "batch_size", "epochs"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} must be at least 1")
+    if args.window < 2:
+        refuse("--window must be at least 2 (a window's first token predicts the next)")
+    if args.minutes <= 0 or args.own_answers < 0:
+        refuse("--minutes must be more than 0, and --own_answers 0 or more")
+    if args.max_windows is not None and args.max_windows - held_out(args.max_windows) < args.batch_size:
+        refuse(f"--max_windows {args.max_windows} leaves fewer than --batch_size {args.batch_size} windows to train "
+               f"on after {held_out(args.max_windows)} held out")
+    return args
 
 
 if __name__ == "__main__":

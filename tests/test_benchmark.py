@@ -156,6 +156,9 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     (["--depths", "0"], "the deepest above 0"),
     # 9 heads split 3 ways, not int4 groups of 128 over their 576 input columns: said before measuring
     (["--no-hf", "--tp", "3", "--quantized", "int4", "--groupsize", "128"], "int4 groups of 128) does not split 3"),
+    (["--no-hf", "--quantized", "missing.safetensors"], "missing.safetensors does not exist"),
+    (["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
+    (["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
 ])
 def test_bad_setups_are_one_line_before_measuring(tmp_path, argv, message):
     if "cuda" in argv and torch.cuda.is_available():

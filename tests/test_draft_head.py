@@ -18,6 +18,7 @@ from generate import generate, get_tokenizer, load_model
 from model import ModelArgs, Transformer
 from quantize import python_docs_text
 from speculative import DraftHead, HeadDrafter
+from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -125,13 +126,29 @@ def test_a_head_for_another_model_or_none_is_one_line(trained, tiny_checkpoint, 
     assert "no draft head at" in result.stderr and "train_draft_head.py" in result.stderr
 
 
-def test_too_few_windows_to_train_on_is_one_line(tiny_checkpoint, tmp_path):
+def test_bad_training_arguments_are_one_line(tiny_checkpoint, tmp_path, monkeypatch):
+    """Refused before the target writes or reads anything where the arguments tell, else as soon as the
+    text or the model does."""
+    for argv, message in ((["--max_windows", "8"], "--max_windows 8 leaves fewer than --batch_size 8 windows"),
+                          (["--epochs", "0"], "--epochs must be at least 1"),
+                          (["--window", "1"], "--window must be at least 2"),
+                          (["--minutes", "0"], "--minutes must be more than 0")):
+        with pytest.raises(SystemExit) as exit:
+            train_draft_head.parse_args(argv)
+        assert exit.value.code.startswith(f"error: {message}")
     text = tmp_path / "text.txt"
-    text.write_text(python_docs_text("calibration")[:30000])
+    text.write_text(python_docs_text("calibration")[:1500])  # 5 windows of 64 tokens
     args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),
-                                        "--window", "64", "--max_windows", "8", "--precision", "fp32",
-                                        "--own_answers", "0"])
-    with pytest.raises(UserError, match="8 windows of 64 tokens leave fewer than --batch_size 8 to train on"):
+                                        "--window", "64", "--precision", "fp32", "--own_answers", "0"])
+    with pytest.raises(UserError, match="5 windows of 64 tokens leave fewer than --batch_size 8 to train on"):
+        train_draft_head.train(args)
+    args.window = 1024
+    with pytest.raises(UserError, match="--window 1024 is longer than the model's context, 512"):
+        train_draft_head.train(args)
+    monkeypatch.setattr(Tokenizer, "can_chat", property(lambda self: False))  # a model without a chat format
+    args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--precision", "fp32"])
+    with pytest.raises(UserError, match="no chat template, so it cannot write its own chats to train on: pass "
+                                        "--own_answers 0"):
         train_draft_head.train(args)
     int8 = quantize.quantize(tiny_checkpoint, "int8", output=tiny_checkpoint.parent / "fastllama_int8.safetensors")
     args = train_draft_head.parse_args(["--checkpoint_path", str(int8), "--text", str(text), "--precision", "fp32"])

@@ -291,6 +291,14 @@ def test_a_template_that_does_not_render_is_one_line(tmp_path, hf_tokenizer_json
     assert "\n" not in str(error.value)
 
 
+def test_a_template_sees_no_tools_as_none(tmp_path, hf_tokenizer_json):
+    """transformers renders with tools=None and documents=None: a template may test `is not none`."""
+    template = "{% if tools is not none or documents is not none %}TOOLS{% endif %}{{ messages[0]['content'] }}"
+    config = {"eos_token": "<|im_end|>", "chat_template": template}
+    tok = load_tokenizer(checkpoint(tmp_path, hf_tokenizer_json, tokenizer_config=config))
+    assert tok.backend.tok.decode(tok.encode_prompt("Hi", chat=True)) == "Hi"
+
+
 def test_missing_tokenizer(tmp_path):
     write_json(tmp_path / "config.json", {})
     with pytest.raises(UserError, match="no tokenizer") as error:
