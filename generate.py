@@ -390,9 +390,12 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str,
 def profiler(path: str):
     with torch.profiler.profile() as prof:
         yield
-    partial = f"{path}.{os.getpid()}.partial"  # renamed into place once whole, as checkpoint.write_atomically
-    prof.export_chrome_trace(partial)
-    os.replace(partial, path)
+    partial = Path(f"{path}.{os.getpid()}.partial")  # renamed into place once whole (checkpoint.write_atomically)
+    try:
+        prof.export_chrome_trace(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
