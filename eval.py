@@ -117,8 +117,8 @@ class HarnessModel(HarnessLM):
         return totals
 
     def generate_until(self, requests) -> list[str]:
-        """Greedy (or sampled, if the task asks) continuations, each cut before the first of its stop
-        strings; requests that share generation settings go together in ragged batches."""
+        """Greedy (or sampled, if the task asks: generation_options) continuations, each cut before the
+        first of its stop strings; requests that share generation settings go together in ragged batches."""
         results = [""] * len(requests)
         groups = {}
         for i, request in enumerate(requests):
@@ -128,8 +128,10 @@ class HarnessModel(HarnessLM):
             settings = json.loads(settings)
             until = settings.get("until") or []
             until = [until] if isinstance(until, str) else until
-            max_new = int(settings.get("max_gen_toks", 256))
-            sampling = dict(temperature=float(settings.get("temperature", 0.0)) if settings.get("do_sample") else 0.0)
+            max_new, sampling = generation_options(settings)
+            if max_new >= self.max_length:
+                raise UserError(f"a task asks for {max_new} new tokens, but a request may take {self.max_length} "
+                                f"positions in all (--max_length): raise --max_length, or lower the task's max_gen_toks")
             for batch in batched(members, self.batch_size):
                 prompts = [torch.tensor(self.encode_context(context)[-(self.max_length - max_new):])
                            for _, context in batch]
@@ -294,6 +296,21 @@ def row_length(row: tuple[list[int], list]) -> int:
 def batched(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start: start + size]
+
+
+def generation_options(settings: dict) -> tuple[int, dict]:
+    """The new tokens and generate()'s sampling options a request's generation settings ask for, read
+    as the harness reads them (lm_eval.models.utils.normalize_gen_kwargs, in the versions that have
+    it): the length under any of its names, first found first; sampling where do_sample says so or,
+    unsaid, where the temperature is above 0 (1.0, the HF backend's, when do_sample names none), with
+    top_k and top_p as given."""
+    lengths = [settings[name] for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+               if settings.get(name) is not None]
+    temperature = float(settings.get("temperature", 1.0 if settings.get("do_sample") else 0.0))
+    if not settings.get("do_sample", temperature > 0):
+        temperature = 0.0
+    sampling = dict(temperature=temperature, top_k=settings.get("top_k"), top_p=settings.get("top_p"))
+    return int(lengths[0]) if lengths else 256, sampling
 
 
 def cut_at_stops(text: str, stops: list[str]) -> str:

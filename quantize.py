@@ -553,7 +553,9 @@ def python_docs_text(part: str) -> str:
 def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
     """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
     levels q, w = d * q + m) is our int4 layout at groupsize 32, so its linears are copied from the
-    GGUF, not re-quantized. The head is int8 as in every mode."""
+    GGUF, not re-quantized: the file holds its levels and fp16 scales and mins exactly (at run time the
+    int4 kernels take scales and zeros in bf16, to which these round: about 2^-9 of each, relative).
+    The head is int8 as in every mode."""
     import gguf
 
     from convert import gguf_names, unpermute_rows

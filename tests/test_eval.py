@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import eval as ev
+from errors import UserError
 from generate import generate, get_tokenizer
 from model import ModelArgs, Transformer
 
@@ -222,6 +223,29 @@ def test_generation_stops_before_stop_strings_of_several_tokens(harness_model):
     batch = harness_model.generate_until(requests([(context, settings), ("The capital of France is", settings)]))
     assert batch[0] == text[: text.index(stop)]
     assert harness_model.generate_until(requests([(context, settings)])) == batch[:1]
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"until": ["\n"]}, (256, dict(temperature=0.0, top_k=None, top_p=None))),
+    ({"temperature": 0.7}, (256, dict(temperature=0.7, top_k=None, top_p=None))),  # do_sample unsaid: sampled
+    ({"do_sample": True}, (256, dict(temperature=1.0, top_k=None, top_p=None))),
+    ({"do_sample": False, "temperature": 0.7}, (256, dict(temperature=0.0, top_k=None, top_p=None))),
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9}, (256, dict(temperature=0.6, top_k=20, top_p=0.9))),
+    ({"max_new_tokens": 5, "max_tokens": 7}, (5, dict(temperature=0.0, top_k=None, top_p=None))),
+    ({"max_gen_toks": 3, "max_new_tokens": 5}, (3, dict(temperature=0.0, top_k=None, top_p=None))),
+])
+def test_generation_settings_read_as_the_harness_reads_them(settings, expected):
+    assert ev.generation_options(settings) == expected
+    normalize = getattr(pytest.importorskip("lm_eval.models.utils"), "normalize_gen_kwargs", None)
+    if normalize is not None:  # the harness's own reading, in the versions that have it
+        normalized = normalize(settings)
+        assert (normalized["max_gen_toks"], bool(normalized["do_sample"])) == (expected[0], expected[1]["temperature"] > 0)
+
+
+def test_a_task_asking_for_more_tokens_than_the_context_is_one_line(harness_model):
+    short = ev.HarnessModel(harness_model.model, harness_model.tokenizer, "bundled", batch_size=1, max_length=64)
+    with pytest.raises(UserError, match="a task asks for 64 new tokens, but a request may take 64 positions in all"):
+        short.generate_until(requests([("The capital of France is", {"until": ["\n"], "max_gen_toks": 64})]))
 
 
 def test_the_harness_hf_backend_scores_the_local_task_as_ours(harness_model, hf_model, hf_tokenizer):
