@@ -305,9 +305,8 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
         raise UserError(f"{len(unused)} tensors of this {architecture} have no "
                         f"place in the model (e.g. {unused[0]!r}): its architecture is not one this library "
                         f"computes")
-    # the config first, the weights last: a run cut short leaves no weights without their config
-    write_json(output.parent / CONFIG_NAME, asdict(args))
     write_safetensors(output, entries, {"source": str(checkpoint_dir)}, desc=f"converting {checkpoint_dir.name}")
+    write_json(output.parent / CONFIG_NAME, asdict(args))
     return output
 
 
@@ -323,8 +322,9 @@ def bundled_gguf() -> Path:
 
 
 def bundled_checkpoint() -> Path:
-    """The bundled SmolLM2-135M-Instruct in our format, converted from its GGUF file on first use."""
-    if not DEFAULT_CHECKPOINT.is_file():
+    """The bundled SmolLM2-135M-Instruct in our format, converted from its GGUF file on first use (and
+    again if a run cut short between the weights and the config left one without the other)."""
+    if not (DEFAULT_CHECKPOINT.is_file() and (DEFAULT_CHECKPOINT.parent / CONFIG_NAME).is_file()):
         print(f"converting the bundled SmolLM2-135M-Instruct into {DEFAULT_CHECKPOINT.parent} (once)", file=sys.stderr)
         import_gguf(bundled_gguf(), DEFAULT_CHECKPOINT.parent)
     return DEFAULT_CHECKPOINT
@@ -378,9 +378,9 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     out_dir = Path(out_dir)
     write_gguf_tokenizer(meta, out_dir)
-    write_json(out_dir / CONFIG_NAME, asdict(args))  # before the weights, whose presence says "converted"
     output = out_dir / CHECKPOINT_NAME
     write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
+    write_json(out_dir / CONFIG_NAME, asdict(args))
     return output
 
 
