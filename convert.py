@@ -278,7 +278,10 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
         hf_config = json.loads(config_path.read_text())
     except ValueError as e:
         raise UserError(f"{config_path} is not valid JSON ({e}): download the model again")
-    args = config_from_hf(hf_config)
+    try:
+        args = config_from_hf(hf_config)
+    except KeyError as e:  # a field its config class always writes, missing from a hand-written file
+        raise UserError(f"{config_path} has no {e.args[0]!r}, which its family needs: download the model again")
     architecture = (hf_config.get("architectures") or [hf_config["model_type"]])[0]
     output = Path(output or checkpoint_dir / CHECKPOINT_NAME)
     source = HFWeights(checkpoint_dir)

@@ -176,6 +176,9 @@ def test_config_errors(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(UserError, match=r"stored quantized \(fp8\): convert its bf16"):
         convert_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    with pytest.raises(UserError, match="config.json has no 'rms_norm_eps', which its family needs"):
+        convert_hf_checkpoint(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     save_file({"scale": torch.zeros(2, dtype=torch.float8_e4m3fn)}, tmp_path / "hf" / "extra.safetensors")
     with pytest.raises(UserError, match="stores scale as F8_E4M3, which conversion does not read"):
