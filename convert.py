@@ -373,8 +373,8 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     names = gguf_names(args)
     unused = sorted(set(tensors) - {n for parts in names.values() for n, _ in parts})
     if unused:  # rope_freqs.weight (Llama 3.1's RoPE scaling), say: a model this import would compute wrong
-        raise UserError(f"{gguf_path} has {len(unused)} tensors this import leaves out (e.g. {unused[0]!r}): "
-                        f"convert the model's Hugging Face checkpoint instead")
+        raise UserError(f"this import would leave out {len(unused)} of the tensors of {gguf_path} (e.g. "
+                        f"{unused[0]!r}): convert the model's Hugging Face checkpoint instead")
     entries = [single(name, torch.float32, shapes[name],
                       lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
                for name, parts in names.items()]

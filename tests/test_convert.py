@@ -133,6 +133,28 @@ def test_unmapped_tensor_is_refused(tmp_path):
     assert repr(extra) in message
 
 
+def test_a_gguf_tensor_the_import_would_leave_out_is_refused(tmp_path):
+    """Llama 3.1's GGUFs carry their RoPE scaling as rope_freqs.weight: an import without it would
+    compute another model."""
+    gguf = pytest.importorskip("gguf")
+    from convert import import_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    for key, value in {"context_length": 64, "block_count": 1, "embedding_length": 8, "feed_forward_length": 16,
+                       "attention.head_count": 2, "attention.head_count_kv": 1}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_token_list(["a", "b", "c", "d"])
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.add_tensor("rope_freqs.weight", torch.ones(2).numpy())
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    with pytest.raises(UserError, match="would leave out 1 of the tensors of .*model.gguf \\(e.g. 'rope_freqs.weight'\\)"):
+        import_gguf(tmp_path / "model.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. the source files are only read
 
