@@ -47,7 +47,7 @@ import tp  # noqa: E402
 from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
-from model import ModelArgs, MoEFeedForward, Transformer, transformer_configs  # noqa: E402
+from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
 
 
 def timed(fn, device) -> float:
@@ -859,8 +859,6 @@ if __name__ == "__main__":
             refuse("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
     if args.max_new_tokens < 2 or args.runs < 1:
         refuse("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        refuse(f"--device {args.device}, but this PyTorch has no CUDA device (a CPU build?)")
     if any(n < 2 for n in args.tp or []):
         refuse("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
     if args.depths is not None and (not args.depths or min(args.depths) < 0 or max(args.depths) == 0):
@@ -876,9 +874,12 @@ if __name__ == "__main__":
         refuse(f"--groupsize must be one of {quantize.GROUPSIZES}")
     if args.speculate_k < 1 or args.draft_alternatives < 0 or args.prompt_length < 1:
         refuse("--speculate_k and --prompt_length must be at least 1, --draft_alternatives 0 or more")
-    if args.model and args.model not in transformer_configs:
-        refuse(f"unknown --model {args.model!r}; known: {', '.join(transformer_configs)}")
-    if args.dense_twin and not (args.model and ModelArgs.from_name(args.model).n_experts):
+    try:  # the device and the model's shape, as the run will take them
+        gen.check_device(args.device)
+        shape = ModelArgs.from_name(args.model) if args.model else None
+    except UserError as e:
+        refuse(str(e))
+    if args.dense_twin and not (shape and shape.n_experts):
         refuse("--dense-twin goes with a mixture-of-experts --model")
     modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)
