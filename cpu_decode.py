@@ -6,8 +6,9 @@ CPU reads it faster than the BLAS call aten.mm makes at a few rows, converts int
 fuses attention's softmax between its two products (scripts/benchmark.py measures the matmul side;
 the README has the figures). A speculative verify step's k + 1 rows (up to FEW_ROWS) go through one
 such loop too, each weight element read once for all of them, and so do the query heads that share a
-key/value head in a decode step's attention, each key and value read once for all of them. Eager
-calls and calls of many rows keep PyTorch's kernels.
+key/value head in a decode step's attention, each key and value read once for all of them (in a
+verify step's, for each of its positions, up to ATTENTION_ROWS rows in all, where the fused attention
+kernel cost more). Eager calls and calls of many rows keep PyTorch's kernels.
 
 Without AVX-512, oneDNN has no bf16 matmul of its own speed: a bf16 product of many rows runs several
 times slower than converting the weight and multiplying in fp32 (benchmarks/RESULTS.md, "CPUs
@@ -53,7 +54,8 @@ def in_fp32_buffer(x: Tensor) -> Tensor:
 
 # rows up to which a compiled linear reads its weight once for all rows (a verify step of k <= 8 drafts)
 FEW_ROWS = 9
-# rows of a decode step's attention product: the query heads that share a key/value head
+# rows of a compiled attention product that reads each key once for all of them: a decode step's query
+# heads that share a key/value head, or those heads times a verify step's positions (Attention.written_out_rows)
 ATTENTION_ROWS = 16
 
 
@@ -199,6 +201,6 @@ def apply(model: Transformer):
         if type(module) is nn.Linear:
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
-            module.matmul = attention_product
+            module.matmul, module.written_out_rows = attention_product, ATTENTION_ROWS
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

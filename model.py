@@ -362,6 +362,11 @@ class Attention(nn.Module):
     # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
     # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
+    # Compiled forwards of a few positions (verify steps) whose query rows a key/value head, its query
+    # heads times the positions, number at most this write their attention out too, rather than call
+    # the fused kernel. cpu_decode.py raises it from 0, since its products read each key once for all
+    # those rows, and on CPU the fused kernel's cost a call is most of a short verify step's attention.
+    written_out_rows = 0
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -404,7 +409,8 @@ class Attention(nn.Module):
         B, nh, T, hd = q.shape
         n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]
         few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
-        if T > 1 and self.softcap is None and not few_keys:  # prefill and verify: PyTorch's fused kernel
+        few_rows = torch.compiler.is_compiling() and statically_known_true(group * T <= self.written_out_rows)
+        if T > 1 and self.softcap is None and not few_keys and not few_rows:  # prefill, longer verify steps
             if 1 < group and statically_known_true(T <= FOLDED_ATTENTION_ROWS):
                 # a verify step: each k/v head with its group of query heads as the rows of one head, so
                 # that the kernel reads each key once a group, not once a query head (prefill's chunks
@@ -413,7 +419,7 @@ class Attention(nn.Module):
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
             return self.fused(q, k, v, mask)
-        # written out (decoding, soft-capped scores, few keys on CPU): each k/v head with its group of
+        # written out (decoding, soft-capped scores, few keys or rows on CPU): each k/v head with its group of
         # query heads as the rows of one product, so that no head's keys are repeated
         q = q.reshape(B, n_kv, group * T, hd)
         scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)

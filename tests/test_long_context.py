@@ -85,6 +85,28 @@ def test_scaled_kv_formats_read_back_within_their_rounding(store, bound):
     assert cache.k_cache.element_size() == 1
 
 
+@pytest.mark.parametrize("T", [2, 4, 5])  # 8, 16 and 20 query rows a key/value head
+@torch.no_grad()
+def test_compiled_verify_attention_is_written_out_up_to_its_rows_and_matches_the_math_backend(T, monkeypatch):
+    """On CPU (cpu_decode.apply), a compiled forward of a few positions writes its attention out while its
+    query heads times its positions number at most cpu_decode.ATTENTION_ROWS a key/value head, and calls the
+    fused kernel past that: the same attention either way, under a mask of rows at different depths."""
+    torch.manual_seed(0)
+    attention = Attention(ModelArgs(n_head=8, n_local_heads=2, dim=512, vocab_size=64, n_layer=1))
+    attention.matmul, attention.written_out_rows = cpu_decode.attention_product, cpu_decode.ATTENTION_ROWS
+    fused_calls, fused = [], Attention.fused
+    monkeypatch.setattr(Attention, "fused", lambda self, *args: fused_calls.append(1) or fused(self, *args))
+    q, k, v = torch.randn(2, 8, T, 64), torch.randn(2, 2, 160, 64), torch.randn(2, 2, 160, 64)
+    positions = torch.tensor([[50], [120]]) + torch.arange(T)
+    mask = (torch.arange(160) <= positions[..., None]).unsqueeze(1)  # (B, 1, T, S)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention.attend, fullgraph=True, dynamic=False)(q, k, v, mask)
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
+    assert bool(fused_calls) == (4 * T > cpu_decode.ATTENTION_ROWS)
+
+
 def test_an_fp8_cache_without_a_gpu_that_has_it_is_one_line():
     model = Transformer(ModelArgs(**CONFIG))
     with pytest.raises(UserError, match="fp8 KV cache needs a GPU with fp8"):
