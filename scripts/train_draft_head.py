@@ -80,7 +80,8 @@ ANSWERS_AT_ONCE = 32  # chats the target writes in one batch of ragged prompts
 def own_answers(target: Transformer, tokenizer, text: str, n_tokens: int, batch: int = ANSWERS_AT_ONCE,
                 max_new_tokens: int = 256) -> list[Tensor]:
     """About n_tokens of the target's own chats: prompts made from the text (OWN_PROMPTS), each followed
-    by the target's answer, sampled at temperature 0.7 so that answers vary (seeded)."""
+    by the target's answer, sampled at temperature 0.7 so that answers vary (seeded). Up to `batch` chats
+    at a time, fewer where fewer full-length answers would reach n_tokens."""
     from tqdm import tqdm
 
     rng = random.Random(0)
@@ -92,8 +93,10 @@ def own_answers(target: Transformer, tokenizer, text: str, n_tokens: int, batch:
     chats, written = [], 0
     with tqdm(total=n_tokens, desc="the target writes its own answers", unit="tok") as bar:
         while written < n_tokens:
+            chats_left = -(-(n_tokens - written) // max_new_tokens)  # as many as answers of full length take
             prompts = [torch.tensor(tokenizer.encode_prompt(rng.choice(OWN_PROMPTS).format(
-                paragraph=rng.choice(paragraphs), word=rng.choice(words)), chat=True)) for _ in range(batch)]
+                paragraph=rng.choice(paragraphs), word=rng.choice(words)), chat=True))
+                for _ in range(min(batch, chats_left))]
             for chat in gen.generate(target, prompts, max_new_tokens, temperature=0.7, stop_ids=tokenizer.stop_ids):
                 chats.append(chat)
                 written += len(chat)

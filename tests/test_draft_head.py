@@ -57,6 +57,8 @@ def test_own_answers_are_the_targets_chats_on_prompts_made_from_the_text(tiny_ch
     chats = train_draft_head.own_answers(target, tokenizer, text, 300, batch=3, max_new_tokens=8)
     again = train_draft_head.own_answers(target, tokenizer, text, 300, batch=3, max_new_tokens=8)
     assert sum(map(len, chats)) >= 300 and all(map(torch.equal, chats, again))  # seeded: the same chats
+    few = train_draft_head.own_answers(target, tokenizer, text, 20, batch=8, max_new_tokens=8)
+    assert len(few) == 3  # not a whole batch of 8 for 20 tokens
     templates = [t.split("{")[0] for t in train_draft_head.OWN_PROMPTS]
     for chat in chats:  # a prompt made from a template, then at most 8 tokens of answer
         asked = tokenizer.decode(chat.tolist()).split("\nuser\n")[1]
