@@ -91,6 +91,15 @@ def write_json(path: Path, obj: dict):
     write_atomically(path, lambda f: json.dump(obj, f, indent=2, default=str))
 
 
+def read_json(path: Path) -> dict:
+    """A JSON file that may be beside a checkpoint (generation_config.json, tokenizer_config.json): {}
+    where it is not there, one line where it is not JSON."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): download it again") from None
+
+
 def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.

@@ -22,7 +22,7 @@ import decode
 import quantize
 import speculative
 import tp
-from checkpoint import load_config, read_metadata, read_safetensors, resolve_checkpoint
+from checkpoint import load_config, read_json, read_metadata, read_safetensors, resolve_checkpoint
 from errors import UserError, refuse, run_cli
 from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer, check_kv_cache_dtype
 from tokenizer import Tokenizer, load_tokenizer
@@ -30,6 +30,8 @@ from tokenizer import Tokenizer, load_tokenizer
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PROMPT = "Tell me about Paris"  # the command line's default
+# the command line's sampling where neither it nor the checkpoint's generation_config.json sets one
+SAMPLING = dict(temperature=0.8, top_k=200, top_p=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,8 +282,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         if drafter is not None:
             speculative.compile_steps()
     # generate()'s settings beyond the prompt, the same for every sample and every turn of a chat
-    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, drafter=drafter,
-                   speculate_k=args.speculate_k, prefill_chunk=args.prefill_chunk,
+    options = dict(**sampling_options(args, checkpoint_path), drafter=drafter, speculate_k=args.speculate_k,
+                   prefill_chunk=args.prefill_chunk,
                    kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
     if args.interactive:
         context = model.config.block_size if args.context is None else args.context
@@ -329,6 +331,24 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
               f"({args.batch_size} rows, {new / args.batch_size:.0f} tokens a row), {bandwidth}"
               f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
     return outputs
+
+
+def sampling_options(args, checkpoint_path: Path) -> dict:
+    """--temperature, --top_k and --top_p: each as given, else as the generation_config.json beside the
+    checkpoint recommends (Hugging Face's generate and vLLM read these settings from it too; a do_sample
+    of false there means greedy), else SAMPLING's."""
+    recommended = read_json(Path(checkpoint_path).parent / "generation_config.json")
+    if recommended.get("do_sample") is False:
+        recommended = dict(temperature=0.0)
+    no_filter = dict(top_k=0, top_p=1)  # how the file says "none"
+    recommended = {name: None if recommended[name] == no_filter.get(name) else recommended[name]
+                   for name in SAMPLING if name in recommended}
+    given = {name: getattr(args, name) for name in SAMPLING if getattr(args, name) is not None}
+    used = {name: value for name, value in recommended.items() if name not in given}
+    if used:
+        settings = ", ".join(f"{name} {'none' if value is None else value}" for name, value in used.items())
+        print(f"sampling as the checkpoint's generation_config.json recommends: {settings}", file=sys.stderr)
+    return {**SAMPLING, **used, **given}
 
 
 def compiled_cache_length(n: int, context: int) -> int:
@@ -472,9 +492,13 @@ def parse_args(argv=None):
     p.add_argument("--ignore_eos", action="store_true",
                    help="decode max_new_tokens whatever the model says (for benchmarks), not stopping at "
                         "the end of the answer")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (exact argmax)")
-    p.add_argument("--top_k", type=int, default=200, help="sample from the k most likely tokens")
-    p.add_argument("--top_p", type=float, default=None, help="sample from the smallest set of tokens holding this mass")
+    recommended = "the checkpoint's generation_config.json, else"
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 is greedy (exact argmax) (default: {recommended} {SAMPLING['temperature']})")
+    p.add_argument("--top_k", type=int, default=None,
+                   help=f"sample from the k most likely tokens (default: {recommended} {SAMPLING['top_k']})")
+    p.add_argument("--top_p", type=float, default=None,
+                   help=f"sample from the smallest set of tokens holding this mass (default: {recommended} none)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (same vocabulary as the target)")
     p.add_argument("--draft", choices=["prompt-lookup", "self-int4", "head"], default=None,

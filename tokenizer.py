@@ -8,6 +8,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from checkpoint import read_json
 from errors import UserError
 
 # Llama 3's tokenizer.model is tiktoken BPE ranks without the split pattern or the special tokens,
@@ -214,13 +215,6 @@ class Tokenizer:
         return [self.bos_id] if self.add_bos else []
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}): download it again") from None
-
-
 def _token_id(backend, token: str | dict | None) -> int | None:
     """Id of a tokenizer_config.json token entry: a string, or an AddedToken dict with a "content" key."""
     if isinstance(token, dict):
@@ -237,8 +231,8 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
     else:
         raise UserError(f"no tokenizer in {directory}: it has neither tokenizer.json nor tokenizer.model; "
                         "download the checkpoint with: python scripts/download.py --repo_id <org>/<model>")
-    config = _read_json(directory / "tokenizer_config.json")
-    generation_config = _read_json(directory / "generation_config.json")
+    config = read_json(directory / "tokenizer_config.json")
+    generation_config = read_json(directory / "generation_config.json")
 
     # tokenizer_config.json has the last word (Qwen sets bos_token null); the backend's own ids otherwise.
     bos_id = _token_id(backend, config["bos_token"]) if "bos_token" in config else backend.bos_id

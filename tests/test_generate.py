@@ -324,6 +324,33 @@ def test_help_shows_defaults(capsys):
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+@pytest.mark.parametrize("recommended, argv, expected, said", [
+    (None, [], gen.SAMPLING, None),  # no generation_config.json: gpt-fast's defaults
+    ({"eos_token_id": 2}, [], gen.SAMPLING, None),  # one without sampling settings
+    ({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}, [],
+     dict(temperature=0.7, top_k=20, top_p=0.8), "temperature 0.7, top_k 20, top_p 0.8"),  # Qwen2.5-Instruct's
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, ["--top_k", "5"],
+     dict(temperature=0.6, top_k=5, top_p=0.9), "temperature 0.6, top_p 0.9"),
+    ({"temperature": 0.6, "top_k": 0, "top_p": 1.0}, [],  # how the file says "no filter"
+     dict(temperature=0.6, top_k=None, top_p=None), "temperature 0.6, top_k none, top_p none"),
+    ({"do_sample": False, "temperature": 0.6}, [], dict(temperature=0.0, top_k=200, top_p=None), "temperature 0.0"),
+    ({"do_sample": False}, ["--temperature", "1.0"], dict(temperature=1.0, top_k=200, top_p=None), None),
+])
+def test_sampling_defaults_come_from_the_checkpoints_generation_config(tmp_path, recommended, argv, expected, said,
+                                                                        capsys):
+    if recommended is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(recommended))
+    assert gen.sampling_options(gen.parse_args(argv), tmp_path / "fastllama.safetensors") == expected
+    err = capsys.readouterr().err
+    assert (f"generation_config.json recommends: {said}\n" in err) if said else err == ""
+
+
+def test_a_generation_config_that_is_not_json_is_one_line(tmp_path):
+    (tmp_path / "generation_config.json").write_text("{temperature: 0.6")
+    with pytest.raises(UserError, match="generation_config.json is not valid JSON"):
+        gen.sampling_options(gen.parse_args([]), tmp_path / "fastllama.safetensors")
+
+
 def test_cli_runs_and_reports(tmp_path):
     """The README's command end to end, in a subprocess: text, then tok/s, bandwidth and memory. Started
     from another folder, it finds the bundled model converted in the repository, not a second copy."""
