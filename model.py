@@ -362,10 +362,10 @@ class Attention(nn.Module):
     # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
     # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
-    # Compiled forwards of a few positions (verify steps) whose query rows a key/value head, its query
-    # heads times the positions, number at most this write their attention out too, rather than call
-    # the fused kernel. cpu_decode.py raises it from 0, since its products read each key once for all
-    # those rows, and on CPU the fused kernel's cost a call is most of a short verify step's attention.
+    # A compiled forward of a few positions (a verify step) writes its attention out too, rather than
+    # call the fused kernel, where its rows a key/value head (the query heads that share it, times the
+    # positions) number at most this. cpu_decode.py raises it from 0: its products read each key once for
+    # all those rows, and on CPU the fused kernel's fixed cost is most of a short verify step's attention.
     written_out_rows = 0
 
     def __init__(self, config: ModelArgs):
