@@ -1,0 +1,115 @@
+"""Decode attention's two products on a GPU, in the forms a compiled step may take, for each KV cache
+format: a 4-layer model of Llama-3.1-8B's layer shape (random weights, a small vocabulary), CUDA-graphed
+steps at depths 0, 8192 and 32,704 over random cache contents (no prefill to compile). What a step
+costs beyond depth 0 is its attention over the cache: the bytes of keys and values it reads over the
+extra time give the bandwidth attention reaches.
+
+Forms (Attention.matmul, the hook cpu_decode.py uses on CPU):
+  matmul     torch.matmul, cuBLAS's batched product (the GPU form so far)
+  rows       cpu_decode.attention_product: a reduction per query row, fused into one pass over the keys
+  mul-sum    (a[..., None] * b[..., None, :, :]).sum(-2): one reduction over (rows, k, n)
+python3 benchmarks/results/gpu-decode-attention-forms.py [--forms ...] [--kv ...]"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import cpu_decode  # noqa: E402
+import decode  # noqa: E402
+import generate as gen  # noqa: E402
+from model import Attention, ModelArgs, Transformer, transformer_configs  # noqa: E402
+
+
+def mul_sum(a, b):
+    return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
+
+
+FORMS = {"matmul": torch.matmul, "rows": cpu_decode.attention_product, "mul-sum": mul_sum}
+STEP = decode.decode_one_token
+
+
+def step_ms(model, depth, n, runs, device):
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+    def steps():
+        t = token
+        for i in range(n):
+            t = decode.decode_one_token(model, t, torch.tensor([[depth + i]], device=device),
+                                        decode.key_positions(model, depth + i + 1))
+
+    steps()
+    steps()  # the first pass at a new block count records its CUDA graphs
+    times = []
+    for _ in range(runs):
+        gen.synchronize(device)
+        start = time.perf_counter()
+        steps()
+        gen.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / n * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--forms", nargs="+", default=list(FORMS))
+    p.add_argument("--kv", nargs="+", default=["bf16", "int8", "fp8"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--depths", type=int, nargs="+", default=[0, 8192, 32704])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    config = ModelArgs(**{**transformer_configs["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = Transformer(config)
+    for w in model.parameters():
+        w.data.normal_(0, 0.02)
+    model = model.to(torch.bfloat16).eval()
+    cache = max(args.depths) + args.steps
+    kv_per_position = 2 * config.n_local_heads * config.head_dim * args.layers  # elements of keys and values
+    print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, torch {torch.__version__}; "
+          f"{args.layers} layers of Llama-3.1-8B's shape, cache {cache} positions, {args.steps} steps, "
+          f"median of {args.runs}")
+    print(f"{'form':8} {'KV':5} " + " ".join(f"{'d ' + str(d):>9}" for d in args.depths)
+          + "   attention GB/s at each depth > 0 (KV bytes read / extra ms); compile s")
+    for kv in args.kv:
+        dtype = gen.KV_CACHE_DTYPES[kv]
+        element = 1 if dtype in (torch.int8, torch.float8_e4m3fn) else 2
+        for form in args.forms:
+            torch._dynamo.reset()
+            decode.decode_one_token = STEP
+            Attention.matmul = staticmethod(FORMS[form])
+            decode.compile_steps()
+            model.setup_caches(1, cache, kv_cache_dtype=dtype)
+            for layer in model.layers:
+                for name, buffer in layer.attention.kv_cache.named_buffers():
+                    if "scales" in name:
+                        buffer.uniform_(0.01, 0.02)
+                    elif buffer.dtype == torch.int8:
+                        buffer.copy_(torch.randint_like(buffer, -127, 128))
+                    else:
+                        buffer.copy_(torch.randn(buffer.shape, device=buffer.device).to(buffer.dtype))
+            try:
+                start = time.perf_counter()
+                ms = [step_ms(model, d, args.steps, args.runs, args.device) for d in args.depths]
+                compile_s = time.perf_counter() - start
+            except Exception as e:  # noqa: BLE001 - a form that does not compile is a result too
+                print(f"{form:8} {kv:5} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            # bytes a step reads beyond depth 0: keys, values (and a bf16 scale a position and head each)
+            per_position = kv_per_position * element + (kv_per_position // config.head_dim * 2 if element == 1 else 0)
+            gbs = [(d + args.steps / 2) * per_position / ((x - ms[0]) / 1e3) / 1e9 for d, x in zip(args.depths[1:], ms[1:])]
+            print(f"{form:8} {kv:5} " + " ".join(f"{x:9.3f}" for x in ms) + "   "
+                  + " ".join(f"{g:7.0f}" for g in gbs) + f"   {compile_s:.0f}", flush=True)
+    Attention.matmul = staticmethod(torch.matmul)
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
