@@ -324,14 +324,19 @@ def main(args):
 
 def hf_rows(ladder: Ladder, model: Transformer):
     """HF transformers' generate on the same weights: eager, and with its static cache + compile."""
+    import transformers
+
     args, prompt = ladder.args, ladder.prompt[None]
     hf = hf_model_from(model)
     kw = dict(do_sample=False, pad_token_id=0)
     ladder.add(f"HF {args.precision} eager", lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
                gen.weight_bytes_per_token(model))
-    if args.hf_compile:  # HF's own fast path
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        kw.update(cache_implementation="static")
+    if args.hf_compile:  # HF's own fast path: a static cache, and generate compiles its decoding forward itself
+        # (compiling hf.forward by hand put prefill under CUDA graphs too, whose outputs the first decoding
+        # replay overwrote: results/h100-cuda-tests-speculative.txt)
+        compile_config = transformers.CompileConfig(fullgraph=True)  # mode reduce-overhead: CUDA graphs on a GPU
+        compile_config._compile_all_devices = True  # else HF compiles on accelerators only, not on CPU
+        kw.update(cache_implementation="static", compile_config=compile_config)
         ladder.add(f"HF {args.precision} static cache + compile",
                    lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
                    gen.weight_bytes_per_token(model))
