@@ -171,9 +171,12 @@ def copied_out(step):
 
 
 def padded_length(n: int, context: int) -> int:
-    """Cache length for n positions: rounded up to a multiple of 64, so that nearby lengths share one
-    compiled decode graph, but never past the model's context length."""
-    return min((n + 63) // 64 * 64, context)
+    """Cache length for n positions: rounded up to whole blocks of KV_BLOCK, never past the model's
+    context length. Nearby lengths share one compiled decode graph, and every read of the cache
+    (key_positions) is whole blocks: on an H100, a step at depth 32,704 read a cache that ended 32
+    positions short of a block at 644 GB/s, a whole one at 1,506 (two runs, two machines:
+    benchmarks/RESULTS.md, "A third GPU session")."""
+    return min(-(-n // KV_BLOCK) * KV_BLOCK, context)
 
 
 def until_stop(new_tokens: Tensor, stop_ids: list[int] | None) -> Tensor:

@@ -125,7 +125,7 @@ def test_depths_run_end_to_end(tmp_path):
                                                                   ("int4 g32 (in memory)", "int8")]
     for row in rows:
         assert list(row["ms_per_token"]) == ["0", "40", "300"] and all(ms > 0 for ms in row["ms_per_token"].values())
-        assert row["own_cache"]["cache_positions"] == 64 and row["cache_positions"] == 320
+        assert row["own_cache"]["cache_positions"] == 256 and row["cache_positions"] == 512  # whole blocks
         assert row["prefill_tok_s"] > 0 and row["prefill_peak_mb"] >= 0
     assert rows[1]["kv_cache_mb"] < 0.6 * rows[0]["kv_cache_mb"]  # int8 levels and bf16 scales: about half
     assert "int4 g32 (in memory)" in run.stdout
