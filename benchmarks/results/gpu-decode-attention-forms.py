@@ -8,7 +8,12 @@ Forms (Attention.matmul, the hook cpu_decode.py uses on CPU):
   matmul     torch.matmul, cuBLAS's batched product (the GPU form so far)
   rows       cpu_decode.attention_product: a reduction per query row, fused into one pass over the keys
   mul-sum    (a[..., None] * b[..., None, :, :]).sum(-2): one reduction over (rows, k, n)
-python3 benchmarks/results/gpu-decode-attention-forms.py [--forms ...] [--kv ...]"""
+  split      probs @ v as a product per block of 256 keys, summed after (where the keys are whole blocks)
+  triton-mm  torch.matmul, with inductor's gemm autotuning on and Triton templates only: a template
+             can take a scaled cache's conversion to bf16 into its loads (prologue fusion), where
+             cuBLAS needs a bf16 copy written first
+python3 benchmarks/results/gpu-decode-attention-forms.py [--forms ...] [--kv ...] [--cache N] [--profile]
+Results: benchmarks/RESULTS.md, "A third GPU session"."""
 
 import argparse
 import statistics
@@ -29,7 +34,20 @@ def mul_sum(a, b):
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
-FORMS = {"matmul": torch.matmul, "rows": cpu_decode.attention_product, "mul-sum": mul_sum}
+def split_keys(a, b, block=decode.KV_BLOCK):
+    """a @ b; where it sums over many keys (probs @ v), a product per block of keys, summed after: many
+    small products in parallel rather than a few long ones."""
+    S = a.shape[-1]
+    if S % block or S <= block:
+        return torch.matmul(a, b)
+    *batch, m, _ = a.shape
+    blocks = a.view(*batch, m, S // block, block).transpose(-3, -2) @ b.view(*batch, S // block, block, b.shape[-1])
+    return blocks.float().sum(-3)
+
+
+FORMS = {"matmul": torch.matmul, "rows": cpu_decode.attention_product, "mul-sum": mul_sum, "split": split_keys,
+         "triton-mm": torch.matmul}
+GEMM_BACKENDS = torch._inductor.config.max_autotune_gemm_backends
 STEP = decode.decode_one_token
 
 
@@ -63,6 +81,8 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--cache", type=int, help="positions (default: the deepest depth and its steps)")
+    p.add_argument("--profile", action="store_true", help="the kernels of a few steps at the deepest depth")
     args = p.parse_args()
     config = ModelArgs(**{**transformer_configs["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
     torch.manual_seed(0)
@@ -71,7 +91,7 @@ def main():
     for w in model.parameters():
         w.data.normal_(0, 0.02)
     model = model.to(torch.bfloat16).eval()
-    cache = max(args.depths) + args.steps
+    cache = args.cache or max(args.depths) + args.steps
     kv_per_position = 2 * config.n_local_heads * config.head_dim * args.layers  # elements of keys and values
     print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, torch {torch.__version__}; "
           f"{args.layers} layers of Llama-3.1-8B's shape, cache {cache} positions, {args.steps} steps, "
@@ -85,6 +105,8 @@ def main():
             torch._dynamo.reset()
             decode.decode_one_token = STEP
             Attention.matmul = staticmethod(FORMS[form])
+            torch._inductor.config.max_autotune_gemm = form == "triton-mm"
+            torch._inductor.config.max_autotune_gemm_backends = "TRITON" if form == "triton-mm" else GEMM_BACKENDS
             decode.compile_steps()
             model.setup_caches(1, cache, kv_cache_dtype=dtype)
             for layer in model.layers:
@@ -107,6 +129,10 @@ def main():
             gbs = [(d + args.steps / 2) * per_position / ((x - ms[0]) / 1e3) / 1e9 for d, x in zip(args.depths[1:], ms[1:])]
             print(f"{form:8} {kv:5} " + " ".join(f"{x:9.3f}" for x in ms) + "   "
                   + " ".join(f"{g:7.0f}" for g in gbs) + f"   {compile_s:.0f}", flush=True)
+            if args.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step_ms(model, max(args.depths), 4, 1, args.device)
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70))
     Attention.matmul = staticmethod(torch.matmul)
 
 
