@@ -582,7 +582,8 @@ def depths_main(args):
     model (--quantized's, or else --precision's), in one cache sized for the deepest: a step's cost must
     follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
     for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
-    beyond what the model holds. llama-bench (-d, and -p) beside them."""
+    beyond what the model holds (with --no-prefill, none: the steps read random cache contents).
+    llama-bench (-d, and -p) beside them."""
     torch.manual_seed(0)
     model = load(args)
     depths, n = sorted(args.depths), args.max_new_tokens
@@ -611,13 +612,13 @@ def depths_main(args):
                            ms_per_token=decode_ms_at_depth(m, shallow, n, args))
             m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
             ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
-            prefill_tok_s, peak_mb = prefill_at_depth(m, depths[-1], args)
+            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args)
             mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
             row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
                        ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
                        prefill_peak_mb=peak_mb, own_cache=own)
             print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
-                  + f" {prefill_tok_s:13.1f} {peak_mb:8.1f}")
+                  + (f" {prefill_tok_s:13.1f} {peak_mb:8.1f}" if prefill_tok_s else ""))
             print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
             if own:
                 print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
@@ -643,7 +644,11 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
     prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
     length = torch.tensor([prompt.shape[1]], device=args.device)
     start = time.perf_counter()
-    first = decode.prefill(model, prompt, length)
+    if args.no_prefill:  # the same steps, over random cache contents
+        fill_at_random(model)
+        first = torch.zeros((1, 1), dtype=torch.long, device=args.device)  # strides as prefill's token
+    else:
+        first = decode.prefill(model, prompt, length)
 
     def steps():
         token = first
@@ -659,6 +664,19 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
     print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token (first "
           f"prefill and pass {first_s:.1f} s, compiling included)", flush=True)
     return ms
+
+
+def fill_at_random(model: Transformer):
+    """Random keys and values in every cache slot (levels and scales for a scaled cache), for decode
+    steps timed without a prefill."""
+    for layer in model.layers:
+        for name, buffer in layer.attention.kv_cache.named_buffers():
+            if name.endswith("scales"):
+                buffer.uniform_(0.01, 0.02)
+            elif buffer.dtype == torch.int8:
+                buffer.random_(-127, 128)
+            else:
+                buffer.copy_(torch.randn(buffer.shape, device=buffer.device))
 
 
 def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:
@@ -824,6 +842,9 @@ if __name__ == "__main__":
                         "deepest), per --kv_cache_dtype, for --precision's model or each --quantized one")
     p.add_argument("--no-own-cache", action="store_true",
                    help="with --depths: skip the first depth's run in a cache sized for it (two compiles a format)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="with --depths: decode over random cache contents, no prompt prefilled (a step's cost is the "
+                        "same; on a GPU, compiling the 8B's prefill took 169 s) and no prefill row")
     p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
                    help="with --depths: the KV cache formats to measure")
     p.add_argument("--harness", nargs="?", default=None, metavar="TASK",

@@ -9,9 +9,9 @@
 #                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
 #                                      took about 55 s each on an H100, autotuned ones not yet timed)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
-#                                      with each KV cache format of $KV (default: bf16; issue 14);
-#                                      on an H200 compiling took 105 s for the step and 169 s for prefill,
-#                                      and bf16's row over 330 s (prefill timing cut): one format a call (KV=int8)
+#                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
+#                                      random cache contents: on an H200 compiling took 105 s for the step (a
+#                                      format) and 169 s for prefill, which --no-prefill skips
 #   bash scripts/gpu_check.sh speculative  the bundled model's drafters on the GPU (issue 15): plain decoding
 #                                      against prompt lookup, the int4 self-draft (and the draft head, where
 #                                      .gpu_carry holds a trained draft_head.safetensors), k = 5, greedy.
@@ -45,7 +45,7 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
     timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda \
-      --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16} --no-own-cache --max_new_tokens 64 --runs 3 \
+      --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16 int8 fp8} --no-own-cache --no-prefill --max_new_tokens 64 --runs 3 \
       --json "$OUT/llama-3.1-8b-depths.json" 2>&1 | tee "$OUT/llama-3.1-8b-depths.txt" ;;
   attention)
     forms="benchmarks/results/gpu-decode-attention-forms.py --depths 0 32704"

@@ -131,6 +131,20 @@ def test_depths_run_end_to_end(tmp_path):
     assert "int4 g32 (in memory)" in run.stdout
 
 
+def test_depths_run_without_prefill(tmp_path):
+    """--no-prefill: the steps over random cache contents (a GPU's shortcut past compiling prefill), no
+    prefill row."""
+    out = tmp_path / "depths.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+         "--depths", "0", "300", "--max_new_tokens", "2", "--runs", "1", "--kv_cache_dtype", "int8",
+         "--no-own-cache", "--no-prefill", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+        timeout=300, env=eager_everywhere(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["prefill_tok_s"] is None and all(ms > 0 for ms in row["ms_per_token"].values())
+
+
 def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     """--speculative: verify steps' cost, then plain decoding against each drafter on the three prompts,
     end to end and past the prefill (eager, as above)."""
