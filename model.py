@@ -27,7 +27,7 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 PREFILL_CHUNK = 256
 
 # forwards of at most this many positions (verify steps, draft trees) give the fused attention kernel
-# each key/value head's query heads as the rows of one head (Attention.attend)
+# each key/value head's query heads as the rows of one head (Attention.attend); on a GPU, every forward
 FOLDED_ATTENTION_ROWS = 16
 
 # eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation whose
@@ -411,11 +411,14 @@ class Attention(nn.Module):
         few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
         few_rows = torch.compiler.is_compiling() and statically_known_true(group * T <= self.written_out_rows)
         if T > 1 and self.softcap is None and not few_keys and not few_rows:  # prefill, longer verify steps
-            if 1 < group and statically_known_true(T <= FOLDED_ATTENTION_ROWS):
-                # a verify step: each k/v head with its group of query heads as the rows of one head, so
-                # that the kernel reads each key once a group, not once a query head (prefill's chunks
-                # gained nothing so: benchmarks/RESULTS.md, "Verify steps: a key/value head's query heads").
-                # Not where compiled prefill keeps T symbolic: a guard on it would split its one graph.
+            if 1 < group and (q.is_cuda or statically_known_true(T <= FOLDED_ATTENTION_ROWS)):
+                # each k/v head with its group of query heads as the rows of one head, so that the kernel
+                # reads each key once a group, not once a query head. On CPU only in verify steps
+                # (prefill's chunks gained nothing so: benchmarks/RESULTS.md, "Verify steps: a key/value
+                # head's query heads"), not where compiled prefill keeps T symbolic (a guard on it would
+                # split its one graph). On a GPU always: with a mask, flash takes none and the
+                # memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
+                # would fall to the math backend, which writes out every score.
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
             return self.fused(q, k, v, mask)
