@@ -584,6 +584,9 @@ def depths_main(args):
     for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
     beyond what the model holds (with --no-prefill, none: the steps read random cache contents).
     llama-bench (-d, and -p) beside them."""
+    if args.no_prefill and full_config(args).sliding_window:
+        raise UserError("--no-prefill fills full caches only: a sliding-window model's ring holds what a prefill "
+                        "writes into it; leave --no-prefill out")
     torch.manual_seed(0)
     model = load(args)
     depths, n = sorted(args.depths), args.max_new_tokens
