@@ -172,10 +172,10 @@ def copied_out(step):
 
 def padded_length(n: int, context: int) -> int:
     """Cache length for n positions: rounded up to whole blocks of KV_BLOCK, never past the model's
-    context length. Nearby lengths share one compiled decode graph, and every read of the cache
-    (key_positions) is whole blocks: on an H100, a step at depth 32,704 read a cache that ended 32
-    positions short of a block at 644 GB/s, a whole one at 1,506 (two runs, two machines:
-    benchmarks/RESULTS.md, "A third GPU session")."""
+    context length. Nearby lengths share one compiled decode graph, and the cache's reads
+    (key_positions) are whole blocks up to the context: on an H100, a step at depth 32,704 read a cache
+    that ended 32 positions short of a block at 644 GB/s, a whole one at 1,506 (two runs on two
+    machines, so a lead, not yet an A/B: benchmarks/RESULTS.md, "A third GPU session")."""
     return min(-(-n // KV_BLOCK) * KV_BLOCK, context)
 
 

@@ -27,7 +27,7 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 PREFILL_CHUNK = 256
 
 # forwards of at most this many positions (verify steps, draft trees) give the fused attention kernel
-# each key/value head's query heads as the rows of one head (Attention.attend); on a GPU, every forward
+# each key/value head's query heads as the rows of one head (Attention.attend); on CUDA, every forward does
 FOLDED_ATTENTION_ROWS = 16
 
 # eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation whose
@@ -416,7 +416,7 @@ class Attention(nn.Module):
                 # reads each key once a group, not once a query head. On CPU only in verify steps
                 # (prefill's chunks gained nothing so: benchmarks/RESULTS.md, "Verify steps: a key/value
                 # head's query heads"), not where compiled prefill keeps T symbolic (a guard on it would
-                # split its one graph). On a GPU always: with a mask, flash takes none and the
+                # split its one graph). On CUDA always: with a mask, flash takes none and the
                 # memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
                 # would fall to the math backend, which writes out every score.
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)

@@ -603,7 +603,7 @@ def depths_main(args):
           f"random prompt of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
           f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
     print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
-          + f" {'prefill tok/s':>13} {'peak MB':>8}")
+          + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
     rows = []
     for name, m in models:
         for kv in args.kv_cache_dtype:
@@ -621,7 +621,7 @@ def depths_main(args):
                        ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
                        prefill_peak_mb=peak_mb, own_cache=own)
             print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
-                  + (f" {prefill_tok_s:13.1f} {peak_mb:8.1f}" if prefill_tok_s else ""))
+                  + ("" if args.no_prefill else f" {prefill_tok_s:13.1f} {peak_mb:8.1f}"))
             print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
             if own:
                 print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
@@ -664,8 +664,9 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
     first_s = time.perf_counter() - start
     ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
     # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
-    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token (first "
-          f"prefill and pass {first_s:.1f} s, compiling included)", flush=True)
+    first = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
+    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({first} "
+          f"{first_s:.1f} s, compiling included)", flush=True)
     return ms
 
 
@@ -893,6 +894,8 @@ if __name__ == "__main__":
     if args.depths is not None and (not args.depths or min(args.depths) < 0 or max(args.depths) == 0):
         refuse("--depths takes one or more context depths, each 0 or more, the deepest above 0 (its prefill "
                 "is measured too)")
+    if args.no_prefill and args.depths is None:
+        refuse("--no-prefill belongs to --depths: give the depths to measure")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
     # found now, not after minutes of measuring the rungs before the one that reads them

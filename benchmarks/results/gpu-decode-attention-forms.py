@@ -126,7 +126,8 @@ def main():
                 continue
             # bytes a step reads beyond depth 0: keys, values (and a bf16 scale a position and head each)
             per_position = kv_per_position * element + (kv_per_position // config.head_dim * 2 if element == 1 else 0)
-            gbs = [(d + args.steps / 2) * per_position / ((x - ms[0]) / 1e3) / 1e9 for d, x in zip(args.depths[1:], ms[1:])]
+            gbs = [(d + args.steps / 2) * per_position / ((x - ms[0]) / 1e3) / 1e9
+                   for d, x in zip(args.depths[1:], ms[1:])]
             print(f"{form:8} {kv:5} " + " ".join(f"{x:9.3f}" for x in ms) + "   "
                   + " ".join(f"{g:7.0f}" for g in gbs) + f"   {compile_s:.0f}", flush=True)
             if args.profile:
