@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
 import cpu_decode  # noqa: E402
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
+from benchmark import fill_at_random  # noqa: E402
 from model import Attention, ModelArgs, Transformer, transformer_configs  # noqa: E402
 
 
@@ -109,14 +110,7 @@ def main():
             torch._inductor.config.max_autotune_gemm_backends = "TRITON" if form == "triton-mm" else GEMM_BACKENDS
             decode.compile_steps()
             model.setup_caches(1, cache, kv_cache_dtype=dtype)
-            for layer in model.layers:
-                for name, buffer in layer.attention.kv_cache.named_buffers():
-                    if "scales" in name:
-                        buffer.uniform_(0.01, 0.02)
-                    elif buffer.dtype == torch.int8:
-                        buffer.copy_(torch.randint_like(buffer, -127, 128))
-                    else:
-                        buffer.copy_(torch.randn(buffer.shape, device=buffer.device).to(buffer.dtype))
+            fill_at_random(model)
             try:
                 start = time.perf_counter()
                 ms = [step_ms(model, d, args.steps, args.runs, args.device) for d in args.depths]
