@@ -407,7 +407,8 @@ class Attention(nn.Module):
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
-        n_kv, group, S = self.n_local_heads, nh // self.n_local_heads, k.shape[2]
+        # head counts from the module, not from shapes, which compiling with dynamic=True makes symbolic
+        n_kv, group, S = self.n_local_heads, self.n_head // self.n_local_heads, k.shape[2]
         few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
         few_rows = torch.compiler.is_compiling() and statically_known_true(group * T <= self.written_out_rows)
         if T > 1 and self.softcap is None and not few_keys and not few_rows:  # prefill, longer verify steps
@@ -420,8 +421,9 @@ class Attention(nn.Module):
                 # memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
                 # would fall to the math backend, which writes out every score.
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
-                return self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask).reshape(B, nh, T, hd)
-            return self.fused(q, k, v, mask)
+                folded = self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask, grouped=False)
+                return folded.reshape(B, nh, T, hd)
+            return self.fused(q, k, v, mask, grouped=group > 1)
         # written out (decoding, soft-capped scores, few keys or rows on CPU): each k/v head with its group of
         # query heads as the rows of one product, so that no head's keys are repeated
         q = q.reshape(B, n_kv, group * T, hd)
@@ -430,11 +432,10 @@ class Attention(nn.Module):
         probs = scores.softmax(-1).to(v.dtype).view(B, n_kv, group * T, S)
         return self.matmul(probs, v).to(q.dtype).view(B, nh, T, hd)
 
-    def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """PyTorch's fused attention, one of SDPA_BACKENDS; q's heads a multiple of k's."""
+    def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, grouped: bool) -> Tensor:
+        """PyTorch's fused attention, one of SDPA_BACKENDS; grouped: q has more heads than k, a multiple."""
         with sdpa_kernel(SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=grouped)
 
 
 class FeedForward(nn.Module):

@@ -101,7 +101,7 @@ def test_compiled_verify_attention_is_written_out_up_to_its_rows_and_matches_the
     attention = Attention(ModelArgs(n_head=8, n_local_heads=2, dim=512, vocab_size=64, n_layer=1))
     attention.matmul, attention.written_out_rows = cpu_decode.attention_product, cpu_decode.ATTENTION_ROWS
     fused_calls, fused = [], Attention.fused
-    monkeypatch.setattr(Attention, "fused", lambda self, *args: fused_calls.append(1) or fused(self, *args))
+    monkeypatch.setattr(Attention, "fused", lambda self, *args, **kw: fused_calls.append(1) or fused(self, *args, **kw))
     q, k, v = torch.randn(2, 8, T, 64), torch.randn(2, 2, 160, 64), torch.randn(2, 2, 160, 64)
     positions = torch.tensor([[50], [120]]) + torch.arange(T)
     mask = (torch.arange(160) <= positions[..., None]).unsqueeze(1)  # (B, 1, T, S)
@@ -112,6 +112,23 @@ def test_compiled_verify_attention_is_written_out_up_to_its_rows_and_matches_the
     torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
     assert bool(fused_calls) == (4 * T > cpu_decode.ATTENTION_ROWS)
 
+
+
+@pytest.mark.parametrize("n_kv", [2, 8])
+@torch.no_grad()
+def test_attention_compiled_as_prefill_is_with_symbolic_shapes(n_kv):
+    """Compiled as prefill is (dynamic=True, fullgraph), where every input's size is symbolic: the fused
+    kernel's arguments stay plain (a symbolic enable_gqa stopped the compile, on an H200: 2026-11-26), and
+    the attention is the math backend's."""
+    torch.manual_seed(0)
+    attention = Attention(ModelArgs(n_head=8, n_local_heads=n_kv, dim=512, vocab_size=64, n_layer=1))
+    q, k, v = torch.randn(1, 8, 40, 64), torch.randn(1, n_kv, 160, 64), torch.randn(1, n_kv, 160, 64)
+    mask = (torch.arange(160) <= torch.arange(100, 140)[:, None])[None, None]  # (1, 1, T, S)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention.attend, fullgraph=True, dynamic=True)(q, k, v, mask)
+    torch.testing.assert_close(compiled, reference, rtol=1e-5, atol=1e-5)
 
 def test_an_fp8_cache_without_a_gpu_that_has_it_is_one_line():
     model = Transformer(ModelArgs(**CONFIG))
