@@ -577,155 +577,6 @@ def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
 
 
 @torch.no_grad()
-def depths_main(args):
-    """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
-    model (--quantized's, or else --precision's), in one cache sized for the deepest: a step's cost must
-    follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
-    for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
-    beyond what the model holds (with --no-prefill, none: the steps read random cache contents).
-    llama-bench (-d, and -p) beside them."""
-    if args.no_prefill and full_config(args).sliding_window:
-        raise UserError("--no-prefill fills full caches only: a sliding-window model's ring holds what a prefill "
-                        "writes into it; leave --no-prefill out")
-    torch.manual_seed(0)
-    model = load(args)
-    depths, n = sorted(args.depths), args.max_new_tokens
-    if depths[-1] + n > model.config.block_size:
-        raise UserError(f"depth {depths[-1]} and {n} new tokens exceed the model's context of {model.config.block_size}: "
-                        f"ask for shallower --depths or fewer --max_new_tokens")
-    decode.compile_steps(dynamic_prefill=True)
-    models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
-    deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
-    shallow = next((d for d in depths if d > 0), 0)
-    bandwidth = copy_bandwidth_gbs(args.device)
-    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
-          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after a "
-          f"random prompt of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
-          f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
-    print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
-          + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
-    rows = []
-    for name, m in models:
-        for kv in args.kv_cache_dtype:
-            own = None
-            if 0 < shallow < depths[-1] and not args.no_own_cache:  # first: setup_caches keeps a larger cache
-                m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
-                               kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
-                own = dict(depth=shallow, cache_positions=m.max_seq_length,
-                           ms_per_token=decode_ms_at_depth(m, shallow, n, args))
-            m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
-            ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
-            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args)
-            mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
-            row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
-                       ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
-                       prefill_peak_mb=peak_mb, own_cache=own)
-            print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
-                  + ("" if args.no_prefill else f" {prefill_tok_s:13.1f} {peak_mb:8.1f}"))
-            print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
-            if own:
-                print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
-                      f"{own['ms_per_token']:.2f} ms (in the deep cache: "
-                      f"{ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
-            rows.append(row)
-    if args.llama_bench:
-        tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
-        pp = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]
-        row = dict(weights=f"llama.cpp {tg[0]['model_type']}", kv_cache=tg[0].get("type_k", "f16"),
-                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, prefill_tok_s=pp["avg_ts"],
-                   build=tg[0]["build_commit"])
-        print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
-              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
-        rows.append(row)
-    if args.json:
-        write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
-
-
-def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
-    """Median ms per step of n decode steps after a random prompt of `depth` tokens (at least 1), each
-    step as generate() takes it; every run starts again from the same depth."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
-    length = torch.tensor([prompt.shape[1]], device=args.device)
-    start = time.perf_counter()
-    if args.no_prefill:  # the same steps, over random cache contents
-        fill_at_random(model)
-        first = torch.zeros((1, 1), dtype=torch.long, device=args.device)  # strides as prefill's token
-    else:
-        first = decode.prefill(model, prompt, length)
-
-    def steps():
-        token = first
-        for i in range(n):
-            keys = decode.key_positions(model, prompt.shape[1] + i + 1)
-            token = decode.decode_one_token(model, token, length[:, None] + i, keys)
-
-    steps()  # compiles, the first time
-    gen.synchronize(args.device)
-    first_s = time.perf_counter() - start
-    ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
-    # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
-    first = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
-    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({first} "
-          f"{first_s:.1f} s, compiling included)", flush=True)
-    return ms
-
-
-def fill_at_random(model: Transformer):
-    """Random keys and values in every cache slot (levels and scales for a scaled cache), for decode
-    steps timed without a prefill."""
-    for layer in model.layers:
-        for name, buffer in layer.attention.kv_cache.named_buffers():
-            if name.endswith("scales"):
-                buffer.uniform_(0.01, 0.02)
-            elif buffer.dtype == torch.int8:
-                buffer.random_(-127, 128)
-            else:
-                buffer.copy_(torch.randn(buffer.shape, device=buffer.device))
-
-
-def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:
-    """Prefill tok/s of a random prompt of `depth` tokens (median of runs), and the most memory it took
-    beyond what was held before it (MB): activations, bounded by the chunk whatever the prompt."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, depth), device=args.device)
-    length = torch.tensor([depth], device=args.device)
-    decode.prefill(model, prompt, length)  # compiles, the first time
-    before = memory_in_use(args.device, reset_peak=True)
-    seconds = statistics.median(timed(lambda: decode.prefill(model, prompt, length), args.device)
-                                for _ in range(args.runs))
-    return depth / seconds, (memory_in_use(args.device, peak=True) - before) / 1e6
-
-
-def memory_in_use(device: str, peak: bool = False, reset_peak: bool = False) -> int:
-    """Bytes the device's memory holds now (on CPU, the process's resident set), or the most it held
-    since the last reset_peak."""
-    if device.startswith("cuda"):
-        if reset_peak:
-            torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
-    if reset_peak:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: the peak resident set (VmHWM) starts again from now
-    field = "VmHWM" if peak else "VmRSS"
-    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field))) * 1024
-
-
-def kv_cache_bytes(model: Transformer) -> int:
-    return sum(buffer.nbytes for layer in model.layers for buffer in layer.attention.kv_cache.buffers())
-
-
-def bytes_read_per_step(model: Transformer, depth: int, n: int) -> float:
-    """The fewest bytes a decode step reads, on average over n steps after `depth` tokens: the weights
-    once, and the keys, values (and their scales) of the positions it attends to (a ring's at most)."""
-    positions = depth + (n + 1) / 2
-    kv = 0.0
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        slots = cache.k_cache.shape[2]
-        kv += sum(buffer.nbytes for buffer in cache.buffers()) / slots * min(positions, slots)
-    return gen.weight_bytes_per_token(model) + kv
-
-
-@torch.no_grad()
 def harness_main(args):
     """Requests/s of eval.py's harness adapter and of the harness's own HF backend scoring the same task
     (default: the repo's multiple-choice task) on the same weights, side by side, and their accuracy:
@@ -813,21 +664,55 @@ def cpu_name() -> str:
         return platform.processor()
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark here takes: which model, where, how many tokens and runs, llama.cpp
+    beside it, where the results go."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", default=None, help="default: the bundled model")
     p.add_argument("--model", default=None, help="a known shape (model.transformer_configs), with --random-weights")
     p.add_argument("--random-weights", action="store_true", help="random weights of --model's shape")
     p.add_argument("--device", default=gen.default_device())
     p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16")
-    p.add_argument("--prompt_length", type=int, default=16,
-                   help="random prompt tokens, with --random-weights (real weights decode the extraction prompt)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quantized", nargs="*", default=[], metavar="PATH|int8|int4",
                    help="quantized checkpoints (quantize.py) to measure in the same run, or int8 / int4 to "
                         "quantize the weights in memory (round to nearest; the way with --random-weights)")
     p.add_argument("--groupsize", type=int, default=32, help="of --quantized int4")
+    p.add_argument("--llama-bench", default=None, metavar="BIN",
+                   help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
+    p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    return p
+
+
+def check_model_arguments(args):
+    """Refuse in one line, before minutes of measuring, what model_arguments' arguments cannot do."""
+    if bool(args.model) != args.random_weights:
+        refuse("--model and --random-weights go together")
+    if args.llama_bench and not shutil.which(args.llama_bench):
+        refuse(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
+    if args.llama_bench and (args.model or args.checkpoint_path) and not args.gguf:
+        refuse("--llama-bench measures the bundled model's GGUF unless --gguf names this model's")
+    if args.max_new_tokens < 2 or args.runs < 1:
+        refuse("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
+    for path in args.quantized:
+        if path not in ("int8", "int4") and not Path(path).exists():
+            refuse(f"{path} does not exist")
+    if args.groupsize not in quantize.GROUPSIZES:
+        refuse(f"--groupsize must be one of {quantize.GROUPSIZES}")
+    try:  # the device and the model's shape, as the run will take them
+        gen.check_device(args.device)
+        if args.model:
+            ModelArgs.from_name(args.model)  # an unknown name is refused here
+    except UserError as e:
+        refuse(str(e))
+
+
+if __name__ == "__main__":
+    p = model_arguments(__doc__)
+    p.add_argument("--prompt_length", type=int, default=16,
+                   help="random prompt tokens, with --random-weights (real weights decode the extraction prompt)")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--dense-twin", action="store_true",
                    help="with a MoE --model: also the dense model of its active size, compiled (and --quantized)")
@@ -838,19 +723,6 @@ if __name__ == "__main__":
                    help="also run the compiled rungs sharded N ways under torchrun (default: every GPU, when "
                         "there are several and the model splits so many ways; on CPU, gloo: for correctness, "
                         "not speed)")
-    p.add_argument("--llama-bench", default=None, metavar="BIN",
-                   help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
-    p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
-    p.add_argument("--depths", nargs="*", type=int, default=None, metavar="D",
-                   help="instead: decode ms/token after D tokens of context, for each D (and prefill of the "
-                        "deepest), per --kv_cache_dtype, for --precision's model or each --quantized one")
-    p.add_argument("--no-own-cache", action="store_true",
-                   help="with --depths: skip the first depth's run in a cache sized for it (two compiles a format)")
-    p.add_argument("--no-prefill", action="store_true",
-                   help="with --depths: decode over random cache contents, no prompt prefilled (a step's cost is the "
-                        "same; on a GPU, compiling the 8B's prefill took 169 s) and no prefill row")
-    p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
-                   help="with --depths: the KV cache formats to measure")
     p.add_argument("--harness", nargs="?", default=None, metavar="TASK",
                    const=str(Path(__file__).resolve().parents[1] / "tasks" / "pydoc_cloze.yaml"),
                    help="instead: requests/s of eval.py's harness adapter against the harness's HF backend on a "
@@ -871,47 +743,26 @@ if __name__ == "__main__":
                    help="with --speculative: also each model drafter with M alternatives at each depth (a tree)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
-    p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
-    if bool(args.model) != args.random_weights:
-        refuse("--model and --random-weights go together")
+    check_model_arguments(args)
     if args.speculative and args.model:
         refuse("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
-    if args.llama_bench and not shutil.which(args.llama_bench):
-        refuse(f"--llama-bench {args.llama_bench} is not an executable (the README says how to build it)")
-    if args.llama_bench and (args.model or args.checkpoint_path) and not args.gguf:
-        refuse("--llama-bench measures the bundled model's GGUF unless --gguf names this model's")
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
-    if args.harness or not (args.no_hf or args.speculative or args.depths is not None):
+    if args.harness or not (args.no_hf or args.speculative):
         try:
             import transformers  # noqa: F401 (checked before minutes of measuring)
         except ImportError:
             refuse("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
-    if args.max_new_tokens < 2 or args.runs < 1:
-        refuse("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
     if any(n < 2 for n in args.tp or []):
         refuse("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
-    if args.depths is not None and (not args.depths or min(args.depths) < 0 or max(args.depths) == 0):
-        refuse("--depths takes one or more context depths, each 0 or more, the deepest above 0 (its prefill "
-                "is measured too)")
-    if args.no_prefill and args.depths is None:
-        refuse("--no-prefill belongs to --depths: give the depths to measure")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
-    # found now, not after minutes of measuring the rungs before the one that reads them
-    for path in [q for q in args.quantized if q not in ("int8", "int4")] + [args.draft_checkpoint_path, args.draft_head]:
+    for path in [args.draft_checkpoint_path, args.draft_head]:  # found now, not after minutes of other rungs
         if path and not Path(path).exists():
             refuse(f"{path} does not exist")
-    if args.groupsize not in quantize.GROUPSIZES:
-        refuse(f"--groupsize must be one of {quantize.GROUPSIZES}")
     if args.speculate_k < 1 or args.draft_alternatives < 0 or args.prompt_length < 1:
         refuse("--speculate_k and --prompt_length must be at least 1, --draft_alternatives 0 or more")
-    try:  # the device and the model's shape, as the run will take them
-        gen.check_device(args.device)
-        shape = ModelArgs.from_name(args.model) if args.model else None
-    except UserError as e:
-        refuse(str(e))
-    if args.dense_twin and not (shape and shape.n_experts):
+    if args.dense_twin and not (args.model and ModelArgs.from_name(args.model).n_experts):
         refuse("--dense-twin goes with a mixture-of-experts --model")
-    modes = dict(speculative=speculative_main, depths=depths_main, harness=harness_main)
+    modes = dict(speculative=speculative_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

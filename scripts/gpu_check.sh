@@ -44,7 +44,7 @@ case $part in
     timeout "$limit" python3 -m pytest -m cuda -v -rs --tb=short $per_test $parallel --durations 0 ${3:+-k "$3"} tests/test_cuda.py 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
-    timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda \
+    timeout "$limit" python3 scripts/benchmark_depths.py --model Llama-3.1-8B --random-weights --device cuda \
       --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16 int8 fp8} --no-own-cache --no-prefill --max_new_tokens 64 --runs 3 \
       --json "$OUT/llama-3.1-8b-depths.json" 2>&1 | tee "$OUT/llama-3.1-8b-depths.txt" ;;
   attention)

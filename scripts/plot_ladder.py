@@ -30,7 +30,7 @@ def plot(record: dict, path: str):
 
     rows = record.get("rows")
     if not isinstance(rows, dict) or not all("ms_per_token" in row for row in rows.values()):
-        raise UserError("not a speed ladder's record (a --depths, --speculative or --harness run?): give the JSON of "
+        raise UserError("not a speed ladder's record (a benchmark_depths.py, --speculative or --harness run?): give the JSON of "
                         "a plain scripts/benchmark.py run")
     names = list(rows)
     tok_s = [1e3 / rows[name]["ms_per_token"] for name in names]

@@ -110,12 +110,12 @@ def test_ladder_runs_end_to_end(tmp_path):
 
 
 def test_depths_run_end_to_end(tmp_path):
-    """--depths: decode ms/token at each depth per KV cache format, the shallow depth again in a cache
+    """benchmark_depths.py: decode ms/token at each depth per KV cache format, the shallow depth again in a cache
     of its own, prefill of the deepest prompt with its peak memory (eager, as above)."""
     env = eager_everywhere(tmp_path)
     out = tmp_path / "depths.json"
     run = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+        [sys.executable, "scripts/benchmark_depths.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
          "--depths", "0", "40", "300", "--max_new_tokens", "3", "--runs", "1", "--quantized", "int4",
          "--kv_cache_dtype", "bf16", "int8", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
         timeout=300, env=env)
@@ -136,7 +136,7 @@ def test_depths_run_without_prefill(tmp_path):
     prefill row."""
     out = tmp_path / "depths.json"
     run = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+        [sys.executable, "scripts/benchmark_depths.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
          "--depths", "0", "300", "--max_new_tokens", "2", "--runs", "1", "--kv_cache_dtype", "int8",
          "--no-own-cache", "--no-prefill", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
         timeout=300, env=eager_everywhere(tmp_path))
@@ -144,7 +144,7 @@ def test_depths_run_without_prefill(tmp_path):
     [row] = json.loads(out.read_text())["rows"]
     assert row["prefill_tok_s"] is None and all(ms > 0 for ms in row["ms_per_token"].values())
     assert run.stdout.count("cache filled at random") == 2 and "prefill tok/s" not in run.stdout
-    refused = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "Gemma-2-2B", "--random-weights",
+    refused = subprocess.run([sys.executable, "scripts/benchmark_depths.py", "--model", "Gemma-2-2B", "--random-weights",
                               "--depths", "0", "64", "--no-prefill"],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "a sliding-window model's ring" in refused.stderr.strip().splitlines()[-1]
@@ -166,25 +166,27 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     assert all(row["speedup"] > 0 and math.isfinite(row["decode_speedup"]) and row["prefill_s"] > 0 for row in lookup)
 
 
-@pytest.mark.parametrize("argv,message", [
-    ([], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
-    (["--no-hf", "--device", "cuda"], "no CUDA device"),
-    (["--no-hf", "--tp", "1"], "--tp takes world sizes of 2 or more"),  # it used to relaunch itself forever
-    (["--no-hf", "--max_new_tokens", "1"], "--max_new_tokens must be 2 or more"),
-    (["--depths", "8100"], "depth 8100 and 128 new tokens exceed the model's context of 8192"),  # needs no HF
-    (["--depths", "0"], "the deepest above 0"),
+@pytest.mark.parametrize("script,argv,message", [
+    ("benchmark.py", [], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
+    ("benchmark.py", ["--no-hf", "--device", "cuda"], "no CUDA device"),
+    # it used to relaunch itself forever
+    ("benchmark.py", ["--no-hf", "--tp", "1"], "--tp takes world sizes of 2 or more"),
+    ("benchmark.py", ["--no-hf", "--max_new_tokens", "1"], "--max_new_tokens must be 2 or more"),
+    ("benchmark_depths.py", ["--depths", "8100"], "depth 8100 and 128 new tokens exceed the model's context of 8192"),
+    ("benchmark_depths.py", ["--depths", "0"], "the deepest above 0"),
     # 9 heads split 3 ways, not int4 groups of 128 over their 576 input columns: said before measuring
-    (["--no-hf", "--tp", "3", "--quantized", "int4", "--groupsize", "128"], "int4 groups of 128) does not split 3"),
-    (["--no-hf", "--quantized", "missing.safetensors"], "missing.safetensors does not exist"),
-    (["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
-    (["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
+    ("benchmark.py", ["--no-hf", "--tp", "3", "--quantized", "int4", "--groupsize", "128"],
+     "int4 groups of 128) does not split 3"),
+    ("benchmark.py", ["--no-hf", "--quantized", "missing.safetensors"], "missing.safetensors does not exist"),
+    ("benchmark.py", ["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
+    ("benchmark.py", ["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
 ])
-def test_bad_setups_are_one_line_before_measuring(tmp_path, argv, message):
+def test_bad_setups_are_one_line_before_measuring(tmp_path, script, argv, message):
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     (tmp_path / "transformers").mkdir()  # an installation without transformers
     (tmp_path / "transformers" / "__init__.py").write_text('raise ImportError("not installed")\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", *argv],
+    run = subprocess.run([sys.executable, f"scripts/{script}", "--model", "SmolLM2-135M", "--random-weights", *argv],
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0 and message in run.stderr.splitlines()[-1] and "Traceback" not in run.stderr

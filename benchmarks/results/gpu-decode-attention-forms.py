@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 import cpu_decode  # noqa: E402
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
-from benchmark import fill_at_random  # noqa: E402
+from benchmark_depths import fill_at_random  # noqa: E402
 from model import Attention, ModelArgs, Transformer, transformer_configs  # noqa: E402
 
 

@@ -1,0 +1,192 @@
+"""Long context: decode ms/token after D tokens of context, for each of --depths, per KV cache format
+(--kv_cache_dtype), for --precision's model or each --quantized one, all in one cache sized for the
+deepest (a step's cost must follow its depth, not the cache's size); prefill of the deepest prompt
+with its peak memory beyond what the model holds; llama.cpp's llama-bench at the same depths beside them.
+MBU counts the weights and the KV bytes a step reads.
+
+    python scripts/benchmark_depths.py --depths 0 1024 4096 8000 --quantized int4 --kv_cache_dtype bf16 int8 --llama-bench PATH/llama-bench
+    python scripts/benchmark_depths.py --model Llama-3.1-8B --random-weights --device cuda --depths 0 8192 32768 --kv_cache_dtype bf16 int8 fp8 --no-prefill
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+import decode  # noqa: E402
+import generate as gen  # noqa: E402
+from benchmark import (check_model_arguments, copy_bandwidth_gbs, full_config, llama_bench_json, load,  # noqa: E402
+                       model_arguments, quantized_models, timed, write_record)
+from errors import UserError, refuse, run_cli  # noqa: E402
+from model import Transformer  # noqa: E402
+
+
+@torch.no_grad()
+def depths_main(args):
+    """Decode ms/token after `depth` tokens of context, for each of --depths, each KV cache format and
+    model (--quantized's, or else --precision's), in one cache sized for the deepest: a step's cost must
+    follow its depth, not the cache's size (the first depth past 0 is measured again in a cache sized
+    for it alone, unless --no-own-cache). Then prefill of the deepest prompt: tok/s and its peak memory
+    beyond what the model holds (with --no-prefill, none: the steps read random cache contents).
+    llama-bench (-d, and -p) beside them."""
+    if args.no_prefill and full_config(args).sliding_window:
+        raise UserError("--no-prefill fills full caches only: a sliding-window model's ring holds what a prefill "
+                        "writes into it; leave --no-prefill out")
+    torch.manual_seed(0)
+    model = load(args)
+    depths, n = sorted(args.depths), args.max_new_tokens
+    if depths[-1] + n > model.config.block_size:
+        raise UserError(f"depth {depths[-1]} and {n} new tokens exceed the model's context of {model.config.block_size}: "
+                        f"ask for shallower --depths or fewer --max_new_tokens")
+    decode.compile_steps(dynamic_prefill=True)
+    models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
+    deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
+    shallow = next((d for d in depths if d > 0), 0)
+    bandwidth = copy_bandwidth_gbs(args.device)
+    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
+          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after a "
+          f"random prompt of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
+          f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
+    print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
+          + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
+    rows = []
+    for name, m in models:
+        for kv in args.kv_cache_dtype:
+            own = None
+            if 0 < shallow < depths[-1] and not args.no_own_cache:  # first: setup_caches keeps a larger cache
+                m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
+                               kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+                own = dict(depth=shallow, cache_positions=m.max_seq_length,
+                           ms_per_token=decode_ms_at_depth(m, shallow, n, args))
+            m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+            ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
+            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args)
+            mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
+            row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
+                       ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
+                       prefill_peak_mb=peak_mb, own_cache=own)
+            print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
+                  + ("" if args.no_prefill else f" {prefill_tok_s:13.1f} {peak_mb:8.1f}"))
+            print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
+            if own:
+                print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
+                      f"{own['ms_per_token']:.2f} ms (in the deep cache: "
+                      f"{ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
+            rows.append(row)
+    if args.llama_bench:
+        tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
+        pp = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]
+        row = dict(weights=f"llama.cpp {tg[0]['model_type']}", kv_cache=tg[0].get("type_k", "f16"),
+                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, prefill_tok_s=pp["avg_ts"],
+                   build=tg[0]["build_commit"])
+        print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
+              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
+        rows.append(row)
+    if args.json:
+        write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
+
+
+def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
+    """Median ms per step of n decode steps after a random prompt of `depth` tokens (at least 1), each
+    step as generate() takes it; every run starts again from the same depth."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
+    length = torch.tensor([prompt.shape[1]], device=args.device)
+    start = time.perf_counter()
+    if args.no_prefill:  # the same steps, over random cache contents
+        fill_at_random(model)
+        first = torch.zeros((1, 1), dtype=torch.long, device=args.device)  # strides as prefill's token
+    else:
+        first = decode.prefill(model, prompt, length)
+
+    def steps():
+        token = first
+        for i in range(n):
+            keys = decode.key_positions(model, prompt.shape[1] + i + 1)
+            token = decode.decode_one_token(model, token, length[:, None] + i, keys)
+
+    steps()  # compiles, the first time
+    gen.synchronize(args.device)
+    first_s = time.perf_counter() - start
+    ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
+    # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
+    first = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
+    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({first} "
+          f"{first_s:.1f} s, compiling included)", flush=True)
+    return ms
+
+
+def fill_at_random(model: Transformer):
+    """Random keys and values in every cache slot (levels and scales for a scaled cache), for decode
+    steps timed without a prefill."""
+    for layer in model.layers:
+        for name, buffer in layer.attention.kv_cache.named_buffers():
+            if name.endswith("scales"):
+                buffer.uniform_(0.01, 0.02)
+            elif buffer.dtype == torch.int8:
+                buffer.random_(-127, 128)
+            else:
+                buffer.copy_(torch.randn(buffer.shape, device=buffer.device))
+
+
+def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:
+    """Prefill tok/s of a random prompt of `depth` tokens (median of runs), and the most memory it took
+    beyond what was held before it (MB): activations, bounded by the chunk whatever the prompt."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, depth), device=args.device)
+    length = torch.tensor([depth], device=args.device)
+    decode.prefill(model, prompt, length)  # compiles, the first time
+    before = memory_in_use(args.device, reset_peak=True)
+    seconds = statistics.median(timed(lambda: decode.prefill(model, prompt, length), args.device)
+                                for _ in range(args.runs))
+    return depth / seconds, (memory_in_use(args.device, peak=True) - before) / 1e6
+
+
+def memory_in_use(device: str, peak: bool = False, reset_peak: bool = False) -> int:
+    """Bytes the device's memory holds now (on CPU, the process's resident set), or the most it held
+    since the last reset_peak."""
+    if device.startswith("cuda"):
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    if reset_peak:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak resident set (VmHWM) starts again from now
+    field = "VmHWM" if peak else "VmRSS"
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field))) * 1024
+
+
+def kv_cache_bytes(model: Transformer) -> int:
+    return sum(buffer.nbytes for layer in model.layers for buffer in layer.attention.kv_cache.buffers())
+
+
+def bytes_read_per_step(model: Transformer, depth: int, n: int) -> float:
+    """The fewest bytes a decode step reads, on average over n steps after `depth` tokens: the weights
+    once, and the keys, values (and their scales) of the positions it attends to (a ring's at most)."""
+    positions = depth + (n + 1) / 2
+    kv = 0.0
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        slots = cache.k_cache.shape[2]
+        kv += sum(buffer.nbytes for buffer in cache.buffers()) / slots * min(positions, slots)
+    return gen.weight_bytes_per_token(model) + kv
+
+
+if __name__ == "__main__":
+    p = model_arguments(__doc__)
+    p.add_argument("--depths", nargs="+", type=int, required=True, metavar="D",
+                   help="context depths: decode ms/token after D tokens, for each D (and prefill of the deepest)")
+    p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
+                   help="the KV cache formats to measure")
+    p.add_argument("--no-own-cache", action="store_true",
+                   help="skip the first depth's run in a cache sized for it (two compiles a format)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="decode over random cache contents, no prompt prefilled (a step's cost is the same; on a "
+                        "GPU, compiling the 8B's prefill took 169 s) and no prefill row")
+    args = p.parse_args()
+    check_model_arguments(args)
+    if min(args.depths) < 0 or max(args.depths) == 0:
+        refuse("--depths takes context depths, each 0 or more, the deepest above 0 (its prefill is measured too)")
+    run_cli(depths_main, args)
