@@ -505,8 +505,8 @@ def speculative_main(args):
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
     drafts = drafters(args, model)
-    rows = [verify_cost(name, m, args) for name, m in
-            [(args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
+    rows = [] if args.no_verify_cost else [verify_cost(name, m, args) for name, m in [
+        (args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
           f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
@@ -741,6 +741,9 @@ if __name__ == "__main__":
     p.add_argument("--speculate_k", type=int, default=5)
     p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
                    help="with --speculative: also each model drafter with M alternatives at each depth (a tree)")
+    p.add_argument("--no-verify-cost", action="store_true",
+                   help="with --speculative: skip the verify steps' cost against plain steps (on an H200, compiling "
+                        "them took most of 6 minutes)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()
