@@ -135,15 +135,19 @@ class ShardedRMSNorm(RMSNorm):
 def rank_zero_first(make):
     """make() on rank 0, then on the other ranks once it has finished: for files the first call writes
     (the bundled model's conversion, a one-off quantization), so that no rank reads one half-written.
-    A user error on rank 0 is raised on every rank, so that all of them stop alike."""
+    If it fails on rank 0, every rank stops: rank 0 with its error, the others with one line saying so
+    (a user error's own line on each)."""
     error = None
     if dist.get_rank() == 0:
         try:
             result = make()
-        except UserError as e:
-            error = str(e)
-    message = [error]
+        except Exception as e:  # the other ranks wait in the broadcast below: they must hear of it
+            error = e
+    message = [None if error is None else str(error) if isinstance(error, UserError)
+               else f"rank 0 failed ({type(error).__name__}: {error}); its traceback says where"]
     dist.broadcast_object_list(message, src=0)
+    if error is not None and not isinstance(error, UserError):
+        raise error
     if message[0] is not None:
         raise UserError(message[0])
     return result if dist.get_rank() == 0 else make()

@@ -87,6 +87,40 @@ def test_a_world_size_that_does_not_split_stops_every_rank_with_one_line():
                      "sizes that work: [1, 3]"], run.stderr[-3000:]
 
 
+
+RANK_ZERO_FAILS = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, ".")
+import tp
+from errors import UserError
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+def make():
+    if rank == 0:
+        raise UserError("no such checkpoint") if sys.argv[1] == "user" else OSError("disk full")
+    return "made"
+try:
+    tp.rank_zero_first(make)
+except Exception as e:
+    print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["user", "other"])
+def test_a_failure_on_rank_zero_first_stops_every_rank(kind, tmp_path):
+    """rank_zero_first: when make() fails on rank 0, the others, waiting for it, stop too (a user error
+    with its own line; any other error with one line naming it, rank 0 with the error itself)."""
+    script = tmp_path / "rank_zero_fails.py"
+    script.write_text(RANK_ZERO_FAILS)
+    run = torchrun(2, str(script), kind, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    assert lines == (["rank 0: UserError: no such checkpoint", "rank 1: UserError: no such checkpoint"] if kind == "user"
+                     else ["rank 0: OSError: disk full",
+                           "rank 1: UserError: rank 0 failed (OSError: disk full); its traceback says where"])
+
 def test_a_gpu_index_under_torchrun_is_refused(monkeypatch):
     """Each rank takes the GPU of its LOCAL_RANK: --device cuda:1 would put every rank on one GPU."""
     monkeypatch.setenv("WORLD_SIZE", "2")
