@@ -232,6 +232,8 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
         raise UserError(f"no tokenizer in {directory}: it has neither tokenizer.json nor tokenizer.model; "
                         "download the checkpoint with: python scripts/download.py --repo_id <org>/<model>")
     config = read_json(directory / "tokenizer_config.json")
+    if "added_tokens_decoder" not in config:  # an older checkpoint: its special_tokens_map.json wins, as in HF
+        config |= read_json(directory / "special_tokens_map.json")
     generation_config = read_json(directory / "generation_config.json")
 
     # tokenizer_config.json has the last word (Qwen sets bos_token null); the backend's own ids otherwise.
