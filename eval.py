@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cpu_decode
-from checkpoint import write_json
+from checkpoint import read_json, write_json
 from errors import UserError, refuse, run_cli
 from decode import key_positions
-from generate import KV_CACHE_DTYPES, PRECISIONS, HelpFormatter, generate, get_tokenizer, load_model
+from generate import KV_CACHE_DTYPES, PRECISIONS, HelpFormatter, find_checkpoint, generate, get_tokenizer, load_model
 from model import Transformer
 from quantize import python_docs_text
 from tokenizer import Tokenizer
@@ -79,9 +79,10 @@ class HarnessModel(HarnessLM):
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str, batch_size: int = 8,
                  max_length: int | None = None, chat: bool = False, compile: bool = False,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, generation_config: dict | None = None):
         super().__init__()
         self.model, self.tokenizer, self.name, self.batch_size = model, tokenizer, name, batch_size
+        self.generation_config = generation_config or {}  # the checkpoint's: its sampling filters
         self.chat, self.kv_cache_dtype = chat, kv_cache_dtype  # the cache's dtype (None: the model's)
         # compile: the scoring forward compiled once for rows of any length (its first batch compiles,
         # a minute or more on a small CPU; with a sliding window, rows longer than it once more); every
@@ -128,7 +129,7 @@ class HarnessModel(HarnessLM):
             settings = json.loads(settings)
             until = settings.get("until") or []
             until = [until] if isinstance(until, str) else until
-            max_new, sampling = generation_options(settings)
+            max_new, sampling = generation_options(settings, self.generation_config)
             if max_new >= self.max_length:
                 raise UserError(f"a task asks for {max_new} new tokens, but a request may take {self.max_length} "
                                 f"positions in all (--max_length): raise --max_length, or lower the task's max_gen_toks")
@@ -298,18 +299,29 @@ def batched(items: list, size: int):
         yield items[start: start + size]
 
 
-def generation_options(settings: dict) -> tuple[int, dict]:
+# the filters HF's generate samples with where neither the request nor the checkpoint's
+# generation_config.json names one (transformers' GenerationConfig defaults); top_k 0 and top_p 1 are none
+HF_FILTERS = dict(top_k=50, top_p=1.0)
+NO_FILTER = dict(top_k=0, top_p=1.0)
+
+
+def generation_options(settings: dict, generation_config: dict | None = None) -> tuple[int, dict]:
     """The new tokens and generate()'s sampling options a request's generation settings ask for, read
     as the harness reads them (lm_eval.models.utils.normalize_gen_kwargs, in the versions that have
     it): the length under any of its names, first found first; sampling where do_sample says so or,
-    unsaid, where the temperature is above 0 (1.0, the HF backend's, when do_sample names none), with
-    top_k and top_p as given."""
+    unsaid, where the temperature is above 0 (1.0, the HF backend's, when do_sample names none). A
+    sampled request's top_k and top_p as given, else as the harness's HF backend samples: the
+    checkpoint's generation_config.json, then HF_FILTERS."""
     lengths = [settings[name] for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
                if settings.get(name) is not None]
     temperature = float(settings.get("temperature", 1.0 if settings.get("do_sample") else 0.0))
     if not settings.get("do_sample", temperature > 0):
         temperature = 0.0
-    sampling = dict(temperature=temperature, top_k=settings.get("top_k"), top_p=settings.get("top_p"))
+    sampling = dict(temperature=temperature, top_k=None, top_p=None)
+    if temperature > 0:
+        for name, default in HF_FILTERS.items():
+            value = next((v for v in (settings.get(name), (generation_config or {}).get(name)) if v is not None), default)
+            sampling[name] = None if value == NO_FILTER[name] else value
     return int(lengths[0]) if lengths else 256, sampling
 
 
@@ -401,8 +413,9 @@ def main(args):
                   f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
         return ppl
     name = str(args.checkpoint_path or "bundled SmolLM2-135M-Instruct")
+    generation_config = read_json(find_checkpoint(args.checkpoint_path).parent / "generation_config.json")
     lm = HarnessModel(model, tokenizer, name, args.batch_size, args.max_length, chat=args.apply_chat_template,
-                      compile=args.compile, kv_cache_dtype=kv_cache_dtype)
+                      compile=args.compile, kv_cache_dtype=kv_cache_dtype, generation_config=generation_config)
     results = evaluate_tasks(lm, args.tasks, args.limit, args.num_fewshot, args.apply_chat_template)
     if rank == 0:
         from lm_eval.utils import make_table

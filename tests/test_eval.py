@@ -227,10 +227,11 @@ def test_generation_stops_before_stop_strings_of_several_tokens(harness_model):
 
 @pytest.mark.parametrize("settings, expected", [
     ({"until": ["\n"]}, (256, dict(temperature=0.0, top_k=None, top_p=None))),
-    ({"temperature": 0.7}, (256, dict(temperature=0.7, top_k=None, top_p=None))),  # do_sample unsaid: sampled
-    ({"do_sample": True}, (256, dict(temperature=1.0, top_k=None, top_p=None))),
+    ({"temperature": 0.7}, (256, dict(temperature=0.7, top_k=50, top_p=None))),  # do_sample unsaid: sampled
+    ({"do_sample": True}, (256, dict(temperature=1.0, top_k=50, top_p=None))),
     ({"do_sample": False, "temperature": 0.7}, (256, dict(temperature=0.0, top_k=None, top_p=None))),
     ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9}, (256, dict(temperature=0.6, top_k=20, top_p=0.9))),
+    ({"do_sample": True, "top_k": 0, "top_p": 1.0}, (256, dict(temperature=1.0, top_k=None, top_p=None))),  # none
     ({"max_new_tokens": 5, "max_tokens": 7}, (5, dict(temperature=0.0, top_k=None, top_p=None))),
     ({"max_gen_toks": 3, "max_new_tokens": 5}, (3, dict(temperature=0.0, top_k=None, top_p=None))),
 ])
@@ -240,6 +241,19 @@ def test_generation_settings_read_as_the_harness_reads_them(settings, expected):
     if normalize is not None:  # the harness's own reading, in the versions that have it
         normalized = normalize(settings)
         assert (normalized["max_gen_toks"], bool(normalized["do_sample"])) == (expected[0], expected[1]["temperature"] > 0)
+
+
+def test_sampling_filters_as_the_harness_hf_backend_gets_them():
+    """A sampled request's top_k and top_p: its own, else the checkpoint's generation_config.json's,
+    else transformers' defaults (what HF's generate fills in for the harness's HF backend)."""
+    config = {"top_k": 20, "top_p": 0.8, "temperature": 0.6}
+    assert ev.generation_options({"temperature": 0.7}, config)[1] == dict(temperature=0.7, top_k=20, top_p=0.8)
+    assert ev.generation_options({"temperature": 0.7, "top_k": 5}, config)[1] == dict(temperature=0.7, top_k=5, top_p=0.8)
+    assert ev.generation_options({"temperature": 0.7}, {"top_k": None})[1]["top_k"] == 50  # null: the default
+    assert ev.generation_options({}, config)[1] == dict(temperature=0.0, top_k=None, top_p=None)  # greedy: no filters
+    defaults = getattr(pytest.importorskip("transformers").GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:  # where transformers keeps its defaults apart (5.x)
+        assert {name: defaults()[name] for name in ev.HF_FILTERS} == ev.HF_FILTERS
 
 
 def test_a_task_asking_for_more_tokens_than_the_context_is_one_line(harness_model):
