@@ -309,9 +309,11 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     """The new tokens and generate()'s sampling options a request's generation settings ask for, read
     as the harness reads them (lm_eval.models.utils.normalize_gen_kwargs, in the versions that have
     it): the length under any of its names, first found first; sampling where do_sample says so or,
-    unsaid, where the temperature is above 0 (1.0, the HF backend's, when do_sample names none). A
-    sampled request's top_k and top_p as given, else as the harness's HF backend samples: the
-    checkpoint's generation_config.json, then HF_FILTERS."""
+    unsaid, where the temperature is above 0. do_sample with no temperature samples at 1.0,
+    transformers' default (the harness's HF backend passes 0.0 there, which transformers refuses).
+    A sampled request's top_k and top_p as transformers' generate takes them for the HF backend: the
+    request's own (null: no filter), else the checkpoint's generation_config.json's, else HF_FILTERS.
+    Only these: the file's other settings (a repetition penalty) are not applied."""
     lengths = [settings[name] for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
                if settings.get(name) is not None]
     temperature = float(settings.get("temperature", 1.0 if settings.get("do_sample") else 0.0))
@@ -320,8 +322,9 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     sampling = dict(temperature=temperature, top_k=None, top_p=None)
     if temperature > 0:
         for name, default in HF_FILTERS.items():
-            value = next((v for v in (settings.get(name), (generation_config or {}).get(name)) if v is not None), default)
-            sampling[name] = None if value == NO_FILTER[name] else value
+            recommended = (generation_config or {}).get(name)
+            value = settings[name] if name in settings else default if recommended is None else recommended
+            sampling[name] = None if value in (None, NO_FILTER[name]) else value
     return int(lengths[0]) if lengths else 256, sampling
 
 

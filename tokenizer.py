@@ -236,7 +236,7 @@ def load_tokenizer(checkpoint_dir) -> Tokenizer:
         config |= read_json(directory / "special_tokens_map.json")
     generation_config = read_json(directory / "generation_config.json")
 
-    # tokenizer_config.json has the last word (Qwen sets bos_token null); the backend's own ids otherwise.
+    # the config files have the last word (Qwen sets bos_token null); the backend's own ids otherwise.
     bos_id = _token_id(backend, config["bos_token"]) if "bos_token" in config else backend.bos_id
     generation_eos = generation_config.get("eos_token_id")  # an id, a list of them, null or missing
     generation_eos = [generation_eos] if isinstance(generation_eos, int) else generation_eos or []

@@ -496,9 +496,9 @@ SPECULATIVE_PROMPTS = {
 
 @torch.no_grad()
 def speculative_main(args):
-    """What a verify step costs against a plain step (--precision's model, int8 and int4), then plain
-    decoding against each drafter, compiled, on real prompts: acceptance and speedup, greedy and at
-    each of --temperatures."""
+    """What a verify step costs against a plain step (--precision's model, int8 and int4; unless
+    --no-verify-cost), then plain decoding against each drafter, compiled, on real prompts: acceptance
+    and speedup, greedy and at each of --temperatures."""
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
     decode.compile_steps()
@@ -743,13 +743,17 @@ if __name__ == "__main__":
                    help="with --speculative: also each model drafter with M alternatives at each depth (a tree)")
     p.add_argument("--no-verify-cost", action="store_true",
                    help="with --speculative: skip the verify steps' cost against plain steps (on an H200, compiling "
-                        "them took most of 6 minutes)")
+                        "them filled a call's 380 s before the drafters)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()
-    check_model_arguments(args)
     if args.speculative and args.model:
         refuse("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
+    if args.harness and args.model:
+        refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
+    if args.no_verify_cost and not args.speculative:
+        refuse("--no-verify-cost belongs to --speculative")
+    check_model_arguments(args)
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
     if args.harness or not (args.no_hf or args.speculative):
         try:
@@ -758,8 +762,6 @@ if __name__ == "__main__":
             refuse("the HF rungs need transformers: pip install -e '.[bench]'" + ("" if args.harness else ", or pass --no-hf"))
     if any(n < 2 for n in args.tp or []):
         refuse("--tp takes world sizes of 2 or more (the unsharded rungs are always measured)")
-    if args.harness and args.model:
-        refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
     for path in [args.draft_checkpoint_path, args.draft_head]:  # found now, not after minutes of other rungs
         if path and not Path(path).exists():
             refuse(f"{path} does not exist")

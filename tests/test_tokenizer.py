@@ -251,7 +251,6 @@ def test_chatml_without_tokenizer_config(tmp_path, hf_tokenizer_json):
     assert (tok.eos_id, tok.stop_ids) == (0, [0, 2])
 
 
-
 @pytest.mark.parametrize("added_tokens_decoder", [False, True])
 def test_special_tokens_map_as_transformers_reads_it(tmp_path, hf_tokenizer_json, added_tokens_decoder):
     """An older checkpoint keeps its special tokens in special_tokens_map.json, which overrides
@@ -268,6 +267,7 @@ def test_special_tokens_map_as_transformers_reads_it(tmp_path, hf_tokenizer_json
     ours, theirs = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     assert (ours.eos_id, ours.bos_id) == (theirs.eos_token_id, theirs.bos_token_id)
     assert ours.eos_id == (0 if added_tokens_decoder else 2)
+
 
 def test_template_from_chat_template_jinja(tmp_path, hf_tokenizer_json):
     """Qwen2.5's template writes its default system message; newer transformers save the template to

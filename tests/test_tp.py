@@ -87,7 +87,6 @@ def test_a_world_size_that_does_not_split_stops_every_rank_with_one_line():
                      "sizes that work: [1, 3]"], run.stderr[-3000:]
 
 
-
 RANK_ZERO_FAILS = """
 import sys
 import torch.distributed as dist
@@ -103,7 +102,8 @@ def make():
 try:
     tp.rank_zero_first(make)
 except Exception as e:
-    print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+    sys.stdout.write(f"rank {rank}: {type(e).__name__}: {e}\\n")  # one write: the ranks' lines do not interleave
+    sys.stdout.flush()
 dist.destroy_process_group()
 """
 
@@ -120,6 +120,7 @@ def test_a_failure_on_rank_zero_first_stops_every_rank(kind, tmp_path):
     assert lines == (["rank 0: UserError: no such checkpoint", "rank 1: UserError: no such checkpoint"] if kind == "user"
                      else ["rank 0: OSError: disk full",
                            "rank 1: UserError: rank 0 failed (OSError: disk full); its traceback says where"])
+
 
 def test_a_gpu_index_under_torchrun_is_refused(monkeypatch):
     """Each rank takes the GPU of its LOCAL_RANK: --device cuda:1 would put every rank on one GPU."""
