@@ -322,8 +322,11 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     sampling = dict(temperature=temperature, top_k=None, top_p=None)
     if temperature > 0:
         for name, default in HF_FILTERS.items():
-            recommended = (generation_config or {}).get(name)
-            value = settings[name] if name in settings else default if recommended is None else recommended
+            if name in settings:
+                value = settings[name]
+            else:  # the file's null is unsaid
+                recommended = (generation_config or {}).get(name)
+                value = default if recommended is None else recommended
             sampling[name] = None if value in (None, NO_FILTER[name]) else value
     return int(lengths[0]) if lengths else 256, sampling
 

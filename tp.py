@@ -143,8 +143,12 @@ def rank_zero_first(make):
             result = make()
         except Exception as e:  # the other ranks wait in the broadcast below: they must hear of it
             error = e
-    message = [None if error is None else str(error) if isinstance(error, UserError) else
-               f"rank 0 failed ({type(error).__name__}: {str(error).strip().partition(chr(10))[0]}); its traceback says where"]
+    message = [None]
+    if isinstance(error, UserError):
+        message = [str(error)]
+    elif error is not None:
+        first_line = str(error).strip().split("\n")[0]
+        message = [f"rank 0 failed ({type(error).__name__}: {first_line}); its traceback says where"]
     dist.broadcast_object_list(message, src=0)
     if error is not None and not isinstance(error, UserError):
         raise error
