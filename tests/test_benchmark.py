@@ -98,7 +98,11 @@ def test_ladder_runs_end_to_end(tmp_path):
         "matmul floor (F.linear)", "floor (compiled mul-sum)", "ours bf16 eager", "ours bf16 compiled",
         "ours int8 (in memory) compiled", "ours int4 g32 (in memory) compiled",
         "ours bf16 compiled, TP 3", "ours int8 (in memory) compiled, TP 3", "ours int4 g32 (in memory) compiled, TP 3"]
-    assert all(row["ms_per_token"] > 0 for row in record["rows"].values())
+    # a decode step's ms is a difference of timings (3 tokens, one run): on a loaded machine it can come out at or
+    # below 0 (it did, twice in a day); the floors and the end-to-end speeds cannot
+    rows = record["rows"].values()
+    assert all(math.isfinite(row["ms_per_token"]) for row in rows) and all(row.get("e2e_tok_s", 1) > 0 for row in rows)
+    assert all(record["rows"][floor]["ms_per_token"] > 0 for floor in ["matmul floor (F.linear)", "floor (compiled mul-sum)"])
     assert record["args"]["model"] == "SmolLM2-135M" and record["copy_bandwidth_gbs"] > 0
     for name in record["rows"]:
         assert name in run.stdout  # the printed table
