@@ -7,7 +7,13 @@ one compiled function a form and row count, timed over many calls:
               reads the int8 weight once; at several it may write a bf16 copy first for cuBLAS
   rows        cpu_decode.few_rows_product: a reduction per row over the same int8 weight, which
               inductor may fuse into one pass that reads each weight element once for all rows
+  triton-mm   the dequantize form with inductor's gemm autotuning on and Triton templates only: a
+              template may take the int8 conversion into its loads (prologue fusion), where cuBLAS
+              needs a bf16 copy written first
   bf16        F.linear on bf16 weights: twice the bytes, cuBLAS
+
+Compiled with decode.compile_steps's inductor settings (coordinate-descent tuning, under which a
+one-row matmul becomes a multiply-and-sum). The first run, 2026-11-27 on an H200, had them off.
 
 Prints microseconds per layer (its four products) and GB/s of weight bytes read.
 python3 benchmarks/results/gpu-int8-few-rows.py [--rows 1 6] [--forms ...] [--copies 8] [--profile]
@@ -30,8 +36,10 @@ from model import transformer_configs  # noqa: E402
 FORMS = {
     "dequantize": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,
     "rows": lambda x, w, s: (cpu_decode.few_rows_product(x, w) * s).to(x.dtype),
+    "triton-mm": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,
     "bf16": lambda x, w, s: F.linear(x, w),
 }
+GEMM_BACKENDS = torch._inductor.config.max_autotune_gemm_backends
 
 
 def layer_shapes(name: str) -> list[tuple[int, int]]:
@@ -55,6 +63,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="the kernels of one pass, for each form and row count")
     args = p.parse_args()
     torch.manual_seed(0)
+    torch._inductor.config.coordinate_descent_tuning = True  # as decode.compile_steps sets it
     shapes = layer_shapes(args.model)
     layers = [[(torch.randint(-127, 128, shape, dtype=torch.int8, device=args.device),
                 torch.rand(shape[0], dtype=torch.bfloat16, device=args.device) / 100) for shape in shapes]
@@ -75,6 +84,8 @@ def main():
                 return [product(xs[w.shape[1]], w, s) for layer in weights for w, s in layer]
 
             torch._dynamo.reset()
+            torch._inductor.config.max_autotune_gemm = form == "triton-mm"
+            torch._inductor.config.max_autotune_gemm_backends = "TRITON" if form == "triton-mm" else GEMM_BACKENDS
             compiled = torch.compile(one_pass, fullgraph=True)
             start = time.perf_counter()
             compiled()
