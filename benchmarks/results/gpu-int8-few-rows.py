@@ -7,6 +7,9 @@ one compiled function a form and row count, timed over many calls:
               reads the int8 weight once; at several it may write a bf16 copy first for cuBLAS
   rows        cpu_decode.few_rows_product: a reduction per row over the same int8 weight, which
               inductor may fuse into one pass that reads each weight element once for all rows
+  out-major   one reduction over (out, rows): the rows of an output sit side by side, so the lanes
+              that share a weight element load it together, once from memory for all rows (rows
+              reads each weight row once per input row, from cache at best)
   triton-mm   the dequantize form with inductor's gemm autotuning on and Triton templates only: a
               template may take the int8 conversion into its loads (prologue fusion), where cuBLAS
               needs a bf16 copy written first
@@ -36,6 +39,7 @@ from model import transformer_configs  # noqa: E402
 FORMS = {
     "dequantize": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,
     "rows": lambda x, w, s: (cpu_decode.few_rows_product(x, w) * s).to(x.dtype),
+    "out-major": lambda x, w, s: ((w.to(x.dtype)[:, None, :] * x[None]).sum(-1).t() * s).to(x.dtype),
     "triton-mm": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,
     "bf16": lambda x, w, s: F.linear(x, w),
 }

@@ -6,10 +6,13 @@ its kernels over a few steps.
 
 In the first run (2026-11-27, H200) a product whose input inductor computes inside its own kernel
 (w2's from SiLU(w1 x) * w3 x, wqkv's and w13's from the norm) ran slower than alone: int8 w2 53 us
-against 18. --realize adds, for each mode, a run whose linears take their input through an opaque
-copy (a custom op inductor cannot see into), so each product reads a finished input as in
-gpu-int8-few-rows.py, at the cost of a copy kernel a product.
-python3 benchmarks/results/gpu-int8-step-profile.py [--layers 4] [--modes bf16 int8 int4] [--realize]
+against 18. --realize runs each mode again with each linear's input realized, so that its product
+reads a finished input as in gpu-int8-few-rows.py:
+  view  through a no-op as_strided, which inductor cannot apply to an unrealized value: the trick
+        cpu_decode.in_fp32_buffer plays on CPU for the same reason, and the form the model would take
+  copy  through an opaque copy (a custom op inductor cannot see into), a kernel more a product: the
+        control, should the view not realize on a GPU
+python3 benchmarks/results/gpu-int8-step-profile.py [--layers 4] [--modes bf16 int8 int4] [--realize view copy]
 """
 
 import argparse
@@ -43,10 +46,13 @@ def _(x):
     return torch.empty_like(x)
 
 
-def realize_inputs(on: bool):
-    """Each linear's input through the opaque copy (on), or as the model has it."""
+REALIZED = {"view": lambda x: x.as_strided(x.shape, x.stride()), "copy": copied}
+
+
+def realize_inputs(how: str | None):
+    """Each linear's input realized `how` (REALIZED), or as the model has it (None)."""
     for cls, forward in FORWARDS.items():
-        cls.forward = (lambda self, x, forward=forward: forward(self, copied(x))) if on else forward
+        cls.forward = forward if how is None else (lambda self, x, f=forward: f(self, REALIZED[how](x)))
 
 
 def steps(model, n, device):
@@ -62,7 +68,8 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--realize", action="store_true", help="each mode also with its products' inputs realized")
+    p.add_argument("--realize", nargs="*", choices=list(REALIZED), default=[],
+                   help="each mode also with its linears' inputs realized so")
     args = p.parse_args()
     config = ModelArgs(**{**transformer_configs["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
     torch.manual_seed(0)
@@ -72,10 +79,10 @@ def main():
           f"{args.layers} layers of Llama-3.1-8B's shape, vocabulary 4096, depth 0, {args.steps} steps, median of {args.runs}")
     for mode in args.modes:
         m = model if mode == "bf16" else quantized_copy(model, config, mode, 32)
-        for realized in [False, True] if args.realize else [False]:
-            realize_inputs(realized)
-            measure(m, f"{mode}{' realized' if realized else ''}", args)
-    realize_inputs(False)
+        for how in [None, *args.realize]:
+            realize_inputs(how)
+            measure(m, f"{mode}{f', inputs realized by {how}' if how else ''}", args)
+    realize_inputs(None)
 
 
 def measure(m, name, args):
