@@ -309,24 +309,24 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     """The new tokens and generate()'s sampling options a request's generation settings ask for, read
     as the harness reads them (lm_eval.models.utils.normalize_gen_kwargs, in the versions that have
     it): the length under any of its names, first found first; sampling where do_sample says so or,
-    unsaid, where the temperature is above 0. do_sample with no temperature samples at 1.0,
-    transformers' default (the harness's HF backend passes 0.0 there, which transformers refuses).
-    A sampled request's top_k and top_p as transformers' generate takes them for the HF backend: the
-    request's own (null: no filter), else the checkpoint's generation_config.json's, else HF_FILTERS.
-    Only these: the file's other settings (a repetition penalty) are not applied."""
+    unsaid, where the temperature is above 0. A sampled request's temperature, top_k and top_p as
+    transformers' generate fills them in: the request's own (a null filter: none), else the
+    checkpoint's generation_config.json's, else transformers' defaults (temperature 1.0, HF_FILTERS).
+    The harness's HF backend passes temperature 0.0 where do_sample comes without one, which
+    transformers refuses; this reads it as unsaid. Only these: the file's other settings (a
+    repetition penalty) are not applied."""
     lengths = [settings[name] for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
                if settings.get(name) is not None]
-    temperature = float(settings.get("temperature", 1.0 if settings.get("do_sample") else 0.0))
-    if not settings.get("do_sample", temperature > 0):
-        temperature = 0.0
+    recommended = generation_config or {}
+    sampled = settings.get("do_sample", float(settings.get("temperature", 0.0)) > 0)
+    temperature = float(settings.get("temperature", recommended.get("temperature") or 1.0)) if sampled else 0.0
     sampling = dict(temperature=temperature, top_k=None, top_p=None)
     if temperature > 0:
         for name, default in HF_FILTERS.items():
             if name in settings:
                 value = settings[name]
             else:  # the file's null is unsaid
-                recommended = (generation_config or {}).get(name)
-                value = default if recommended is None else recommended
+                value = default if recommended.get(name) is None else recommended[name]
             sampling[name] = None if value in (None, NO_FILTER[name]) else value
     return int(lengths[0]) if lengths else 256, sampling
 

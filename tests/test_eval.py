@@ -243,16 +243,18 @@ def test_generation_settings_read_as_the_harness_reads_them(settings, expected):
         assert (normalized["max_gen_toks"], bool(normalized["do_sample"])) == (expected[0], expected[1]["temperature"] > 0)
 
 
-def test_sampling_filters_as_the_harness_hf_backend_gets_them():
-    """A sampled request's top_k and top_p: its own (null: none, as a keyword argument to HF's generate),
-    else the checkpoint's generation_config.json's, else transformers' defaults (what HF's generate fills
-    in for the harness's HF backend)."""
+def test_sampling_settings_as_transformers_generate_fills_them_in():
+    """A sampled request's temperature, top_k and top_p: its own (a null filter: none, as a keyword
+    argument to HF's generate), else the checkpoint's generation_config.json's, else transformers'
+    defaults (what HF's generate fills in for the harness's HF backend)."""
     config = {"top_k": 20, "top_p": 0.8, "temperature": 0.6}
     assert ev.generation_options({"temperature": 0.7}, config)[1] == dict(temperature=0.7, top_k=20, top_p=0.8)
     assert ev.generation_options({"temperature": 0.7, "top_k": 5}, config)[1] == dict(temperature=0.7, top_k=5, top_p=0.8)
     assert ev.generation_options({"temperature": 0.7}, {"top_k": None})[1]["top_k"] == 50  # null there: the default
     assert ev.generation_options({"temperature": 0.7, "top_k": None}, config)[1]["top_k"] is None  # in the request: none
     assert ev.generation_options({}, config)[1] == dict(temperature=0.0, top_k=None, top_p=None)  # greedy: no filters
+    assert ev.generation_options({"do_sample": True}, config)[1] == dict(temperature=0.6, top_k=20, top_p=0.8)
+    assert ev.generation_options({"do_sample": True}, {"temperature": None})[1]["temperature"] == 1.0
     defaults = getattr(pytest.importorskip("transformers").GenerationConfig, "_get_default_generation_params", None)
     if defaults is not None:  # where transformers keeps its defaults apart (5.x)
         assert {name: defaults()[name] for name in ev.HF_FILTERS} == ev.HF_FILTERS
