@@ -14,7 +14,8 @@
 #                                      step of 6 tokens cost 6.62x a plain step on an H200;
 #                                      benchmarks/results/gpu-int8-few-rows.py; on an H200, 2026-11-27: 6 rows
 #                                      took 2.3-2.6x bf16's time in every int8 form, 1 row 0.69x; a third argument
-#                                      picks forms: "out-major bf16", the one not yet run and the baseline)
+#                                      picks forms: "out-major int4-tinygemm int4-dequantize bf16", those not yet
+#                                      run and the baseline)
 #   bash scripts/gpu_check.sh kernels  a decode step's kernels in 4 layers of Llama-3.1-8B's shape, bf16 and int8
 #                                      weights, each as the model has it and with its linears' inputs realized by a
 #                                      no-op view or an opaque copy (benchmarks/results/gpu-int8-step-profile.py; on an
