@@ -50,9 +50,11 @@ FORMS = {
     "bf16": lambda x, w, s: F.linear(x, w),
     "int4-tinygemm": lambda x, w, scales_and_zeros: quantize.int4_matmul(
         "cuda" if x.is_cuda else "cpu", x, w, GROUPSIZE, scales_and_zeros),
-    "int4-dequantize": lambda x, packed, scales, mins: F.linear(x, quantize.dequantize_int4(packed, scales, mins, x.dtype)),
+    "int4-dequantize": lambda x, packed, scales, mins: F.linear(
+        x, quantize.dequantize_int4(packed, scales, mins, x.dtype)),
 }
 GROUPSIZE = 32
+GEMM_BACKENDS = torch._inductor.config.max_autotune_gemm_backends
 
 
 def operands(form: str, w: torch.Tensor, s: torch.Tensor) -> tuple:
@@ -67,7 +69,6 @@ def operands(form: str, w: torch.Tensor, s: torch.Tensor) -> tuple:
             return int4
         return quantize.int4_kernel_layout("cuda" if w.is_cuda else "cpu", *int4)
     return w, s
-GEMM_BACKENDS = torch._inductor.config.max_autotune_gemm_backends
 
 
 def layer_shapes(name: str) -> list[tuple[int, int]]:

@@ -16,14 +16,12 @@ python3 benchmarks/results/gpu-int8-step-profile.py [--layers 4] [--modes bf16 i
 """
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
 import decode  # noqa: E402
@@ -58,7 +56,8 @@ def realize_inputs(how: str | None):
 def steps(model, n, device):
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     for i in range(n):
-        token = decode.decode_one_token(model, token, torch.tensor([[i]], device=device), decode.key_positions(model, i + 1))
+        token = decode.decode_one_token(model, token, torch.tensor([[i]], device=device),
+                                        decode.key_positions(model, i + 1))
 
 
 def main():
@@ -76,7 +75,8 @@ def main():
     with torch.device(args.device):
         model = randomized(Transformer(config).to(torch.bfloat16))
     print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, torch {torch.__version__}; "
-          f"{args.layers} layers of Llama-3.1-8B's shape, vocabulary 4096, depth 0, {args.steps} steps, median of {args.runs}")
+          f"{args.layers} layers of Llama-3.1-8B's shape, vocabulary 4096, depth 0, {args.steps} steps, "
+          f"median of {args.runs}")
     for mode in args.modes:
         m = model if mode == "bf16" else quantized_copy(model, config, mode, 32)
         for how in [None, *args.realize]:
