@@ -207,8 +207,8 @@ def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, conf
     if longest + max_new_tokens > context:
         raise UserError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceed the model's "
                         f"context length {context}: shorten one or the other")
-    if temperature < 0:
-        raise UserError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0:  # NaN too
+        raise UserError(f"temperature must be a number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 <= top_p <= 1:
@@ -340,10 +340,11 @@ def sampling_options(args, checkpoint_path: Path) -> dict:
     recommended = read_json(Path(checkpoint_path).parent / "generation_config.json")
     if recommended.get("do_sample") is False:
         recommended = dict(temperature=0.0)
-    no_filter = dict(top_k=0, top_p=1)  # how the file says "none"
+    no_filter = dict(top_k=0, top_p=1)  # how the file, and the command line, say "none"
     recommended = {name: None if recommended[name] == no_filter.get(name) else recommended[name]
                    for name in SAMPLING if name in recommended}
-    given = {name: getattr(args, name) for name in SAMPLING if getattr(args, name) is not None}
+    given = {name: None if getattr(args, name) == no_filter.get(name) else getattr(args, name)
+             for name in SAMPLING if getattr(args, name) is not None}
     used = {name: value for name, value in recommended.items() if name not in given}
     if used:
         settings = ", ".join(f"{name} {'none' if value is None else value}" for name, value in used.items())
@@ -421,7 +422,8 @@ def profiler(path: str):
 
 def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options: dict, context: int):
     """A multi-turn chat in the model's template, printing tokens as they come; options: generate()'s.
-    The dialog may reach `context` positions, for which the KV cache is made once."""
+    The dialog may reach `context` positions, for which the KV cache is made once; where a message and
+    a whole answer would not fit, the oldest exchanges are forgotten (said on stderr) until they do."""
     if not tokenizer.can_chat:
         raise UserError("this tokenizer has no chat template, so --interactive cannot format a dialog")
     if not 1 <= context <= model.config.block_size:
@@ -437,10 +439,20 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
         if not user:
             continue
         messages.append({"role": "user", "content": user})
-        prompt = torch.tensor(tokenizer.encode_dialog(messages), dtype=torch.long)
+        prompt = tokenizer.encode_dialog(messages)
+        forgotten = 0
+        while len(prompt) + max_new_tokens > context and len(messages) > 1:
+            del messages[:2]  # the oldest question and its answer
+            forgotten += 1
+            prompt = tokenizer.encode_dialog(messages)
+        if forgotten:
+            print(f"(the dialog would pass --context {context} positions: its {forgotten} oldest "
+                  f"exchange{'s' if forgotten > 1 else ''} forgotten)", file=sys.stderr)
         budget = min(max_new_tokens, context - len(prompt))
         if budget < 1:
-            raise UserError(f"the dialog has reached its context of {context} positions (--context)")
+            raise UserError(f"this message takes {len(prompt)} positions in the chat template, which leaves no "
+                            f"room for an answer in --context {context}: raise --context or write less")
+        prompt = torch.tensor(prompt, dtype=torch.long)
         # the cache holds the whole context from the first turn (as generate() pads it), so that
         # compiled decoding never recompiles for a longer one; a step reads only the dialog's slots
         # (decode.key_positions)
@@ -496,9 +508,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=None,
                    help=f"0 is greedy (exact argmax) (default: {recommended} {SAMPLING['temperature']})")
     p.add_argument("--top_k", type=int, default=None,
-                   help=f"sample from the k most likely tokens (default: {recommended} {SAMPLING['top_k']})")
+                   help=f"sample from the k most likely tokens, 0 for all (default: {recommended} {SAMPLING['top_k']})")
     p.add_argument("--top_p", type=float, default=None,
-                   help=f"sample from the smallest set of tokens holding this mass (default: {recommended} none)")
+                   help=f"sample from the smallest set of tokens holding this mass, 1 for all (default: {recommended} "
+                        f"none)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (same vocabulary as the target)")
     p.add_argument("--draft", choices=["prompt-lookup", "self-int4", "head"], default=None,
@@ -530,6 +543,12 @@ def parse_args(argv=None):
         refuse("--prefill_chunk must be at least 1")
     if args.profile and not Path(args.profile).resolve().parent.is_dir():
         refuse(f"--profile {args.profile}: its folder does not exist")
+    if args.profile and Path(args.profile).is_dir():
+        refuse(f"--profile {args.profile} is a folder: give the trace's file name, e.g. trace.json")
+    if args.temperature is not None and not args.temperature >= 0:  # NaN too
+        refuse(f"--temperature must be a number >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 0:
+        refuse(f"--top_k must be >= 0 (0: no filter), got {args.top_k}")
     ignored = [name for name, given in (("--prompt", args.prompt is not None), ("--profile", args.profile),
                                         ("--ignore_eos", args.ignore_eos), ("--no-chat", args.chat is False))
                if given]

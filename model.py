@@ -30,8 +30,8 @@ PREFILL_CHUNK = 256
 # each key/value head's query heads as the rows of one head (Attention.attend); on CUDA, every forward does
 FOLDED_ATTENTION_ROWS = 16
 
-# eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation whose
-# whole cache is this short) write their attention out: there the fused kernel's cost is mostly its fixed
+# eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation only
+# where the model's whole context is this short: its cache is whole blocks of 256) write their attention out: there the fused kernel's cost is mostly its fixed
 # cost per call (benchmarks/RESULTS.md, "Scoring: short attention written out"; near even at 256 keys)
 SHORT_ATTENTION_KEYS = 128
 

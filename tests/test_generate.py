@@ -219,7 +219,8 @@ def test_streamed_tokens_are_each_rows_text_and_end_at_its_stop(model_fp32, bund
 
 def test_generate_rejects_bad_arguments(model_fp32):
     prompt = torch.tensor([1, 2, 3])
-    for kwargs, message in [(dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
+    for kwargs, message in [(dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "got nan"),
+                            (dict(top_p=1.5), "top_p"),
                             (dict(top_k=0), "top_k"), (dict(prefill_chunk=0), "prefill chunk must be at least 1"),
                             (dict(kv_cache_dtype=torch.float8_e4m3fn), "fp8 KV cache needs a GPU"),
                             (dict(kv_cache_dtype=torch.int16), "KV cache of torch.int16 is not supported")]:
@@ -272,6 +273,9 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "batch_size" in cli_error(["--batch_size", "0"])
     assert "fp8 KV cache needs a GPU with fp8" in cli_error(["--kv_cache_dtype", "fp8", "--device", "cpu"])
     assert "temperature" in cli_error(["--temperature", "-0.5", "--max_new_tokens", "2"])
+    assert "--temperature must be a number >= 0, got nan" in cli_error(["--temperature", "nan"])
+    assert "--top_k must be >= 0 (0: no filter)" in cli_error(["--top_k", "-1"])
+    assert "is a folder: give the trace's file name" in cli_error(["--profile", str(tmp_path)])
     assert "--prefill_chunk must be at least 1" in cli_error(["--prefill_chunk", "0"])
     assert "--max_new_tokens must be at least 1" in cli_error(["--max_new_tokens", "0"])
     assert "its folder does not exist" in cli_error(["--profile", str(tmp_path / "missing" / "trace.json")])
@@ -335,6 +339,7 @@ def test_help_shows_defaults(capsys):
      dict(temperature=0.6, top_k=None, top_p=None), "temperature 0.6, top_k none, top_p none"),
     ({"do_sample": False, "temperature": 0.6}, [], dict(temperature=0.0, top_k=200, top_p=None), "temperature 0.0"),
     ({"do_sample": False}, ["--temperature", "1.0"], dict(temperature=1.0, top_k=200, top_p=None), None),
+    (None, ["--top_k", "0", "--top_p", "1"], dict(temperature=0.8, top_k=None, top_p=None), None),  # as the file says none
 ])
 def test_sampling_defaults_come_from_the_checkpoints_generation_config(tmp_path, recommended, argv, expected, said,
                                                                         capsys):
@@ -409,19 +414,37 @@ def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
-    monkeypatch.setattr("builtins.input", lambda prompt: "What is the capital of France?")
-    for context, message in (("0", "--context must be between 1"), ("20", "reached its context of 20 positions")):
-        with pytest.raises(UserError, match=message):
-            gen.run(gen.parse_args(["--interactive", "--context", context, "--precision", "fp32"]))
+    turns = []
+
+    def user(prompt: str) -> str:  # the same question, len(turns) times, then the end of the input
+        if not turns:
+            raise EOFError
+        return turns.pop()
+
+    monkeypatch.setattr("builtins.input", user)
+    turns[:] = ["What is the capital of France?"]
+    with pytest.raises(UserError, match="--context must be between 1"):
+        gen.run(gen.parse_args(["--interactive", "--context", "0", "--precision", "fp32"]))
+    with pytest.raises(UserError, match=r"this message takes \d+ positions in the chat template, which leaves no room "
+                                        r"for an answer in --context 20: raise --context or write less"):
+        gen.run(gen.parse_args(["--interactive", "--context", "20", "--precision", "fp32"]))
     with pytest.raises(UserError, match="--context sizes the cache of --interactive"):
         gen.run(gen.parse_args(["--context", "64"]))
     with pytest.raises(UserError, match="--interactive is one dialog"):
         gen.run(gen.parse_args(["--interactive", "--batch_size", "2"]))
-    # a context that is not a multiple of 64, filled to its end: the cache made at the first turn is kept
+    # a context that is not a multiple of 64, with room for one question and less than a whole answer of
+    # --max_new_tokens: each later turn forgets the exchange before it, and the cache made at the first
+    # turn is kept
     made, make = [], model.KVCache.__init__
     monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args) or make(self, *args))
-    with pytest.raises(UserError, match="reached its context of 100 positions"):
-        gen.run(gen.parse_args(["--interactive", "--context", "100", "--precision", "fp32", "--max_new_tokens", "200"]))
+    turns[:] = ["What is the capital of France?"] * 3
+    capsys.readouterr()
+    gen.run(gen.parse_args(["--interactive", "--context", "100", "--precision", "fp32", "--max_new_tokens", "200",
+                            "--temperature", "0"]))
+    out, err = capsys.readouterr()
+    assert err.count("(the dialog would pass --context 100 positions: its 1 oldest exchange forgotten)") == 2, err
+    answers = [answer.strip() for answer in out.split("Assistant: ")[1:]]
+    assert len(answers) == 3 and answers[0] == answers[1] == answers[2] and "Paris" in answers[0], answers
     assert len(made) == gen.load_config(gen.find_checkpoint(None)).n_layer, [args[1] for args in made]
 
 
