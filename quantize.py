@@ -337,6 +337,20 @@ def output_path(checkpoint_path: Path, mode: str, groupsize: int) -> Path:
     return checkpoint_path.with_name(f"{checkpoint_path.stem}_{suffix}.safetensors")
 
 
+def output_file(output: Path | None, checkpoint_path: Path, mode: str, groupsize: int) -> Path:
+    """Where a quantized copy goes: --output (a folder: output_path's name in it), else beside the
+    checkpoint; never over the checkpoint itself, nor into a folder that is not there."""
+    default = output_path(checkpoint_path, mode, groupsize)
+    if output is None:
+        return default
+    output = Path(output) / default.name if Path(output).is_dir() else Path(output)
+    if output.resolve() == checkpoint_path.resolve():
+        raise UserError(f"--output {output} is the checkpoint being quantized: name another file")
+    if not output.parent.is_dir():
+        raise UserError(f"--output {output}: its folder does not exist")
+    return output
+
+
 def quantized_group(name: str, read, shape: tuple, scheme: dict, gptq=None) -> Group:
     """The tensors replacing linear weight `name`, made from read() when written."""
     base = name.removesuffix(".weight")
@@ -373,20 +387,23 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
     checkpoint_path = resolve_checkpoint(checkpoint_path)
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "int4-gguf":
-        path = import_gguf_int4(checkpoint_path, output)
-        copy_companions(checkpoint_path, path.parent)
-        return path
+    quantized = read_metadata(checkpoint_path).get("quantization")
+    if quantized:
+        raise UserError(f"{checkpoint_path} is already quantized ({quantized}): quantize the unquantized "
+                        f"checkpoint it came from")
+    if mode == "int4-gguf" and groupsize != 32:
+        raise UserError("int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize")
     if mode == "int4-gptq" and min(calibration_samples, calibration_seq_len) < 1:
         raise UserError("GPTQ needs at least one calibration sample of at least one token")
-    if mode != "int8" and groupsize not in GROUPSIZES:
+    if mode not in ("int8", "int4-gguf") and groupsize not in GROUPSIZES:
         raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
+    output = output_file(output, checkpoint_path, mode, groupsize)
+    if mode == "int4-gguf":
+        import_gguf_int4(checkpoint_path, output)
+        copy_companions(checkpoint_path, output.parent)
+        return output
     config = load_config(checkpoint_path)
     source = safe_open(str(checkpoint_path), framework="pt")
-    if read_scheme(read_metadata(checkpoint_path)):
-        raise UserError(f"{checkpoint_path} is already quantized ({source.metadata()['quantization']}): "
-                        f"quantize the unquantized checkpoint it came from")
-    output = Path(output or output_path(checkpoint_path, mode, groupsize))
     with torch.device("meta"):
         model = Transformer(config)
     linears = {f"{n}.weight" for n in linear_names(model)}
@@ -550,7 +567,7 @@ def python_docs_text(part: str) -> str:
 # The bundled GGUF's Q4_1 weights, imported without loss
 
 
-def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
+def import_gguf_int4(checkpoint_path: Path, output: Path):
     """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
     levels q, w = d * q + m) is our int4 layout at groupsize 32, so its linears are copied from the
     GGUF, not re-quantized: the file holds its levels and fp16 scales and mins exactly (at run time the
@@ -597,11 +614,9 @@ def import_gguf_int4(checkpoint_path: Path, output: Path | None = None) -> Path:
         else:
             read = lambda name=name: source.get_tensor(name).bfloat16()  # noqa: E731
             groups.append(single(name, torch.bfloat16, tensor.shape, read))
-    output = Path(output or output_path(checkpoint_path, "int4-gguf", 32))
     scheme = {"mode": "int4", "groupsize": 32, "method": "gguf-q4_1", "head": "int8"}
     write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(gguf_path)},
                       desc="importing Q4_1")
-    return output
 
 
 def read_scheme(metadata: dict[str, str]) -> dict | None:
@@ -631,5 +646,6 @@ if __name__ == "__main__":
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")
     p.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
     p.add_argument("--calibration_seq_len", type=int, default=512, help="GPTQ: tokens per sequence")
-    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--output", type=Path, default=None,
+                   help="the file to write, or a folder for it (default: beside the checkpoint)")
     run_cli(main, p.parse_args())

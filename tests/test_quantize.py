@@ -336,9 +336,31 @@ def test_groupsize_not_supported(bundled_checkpoint, tmp_path):
 
 
 def test_already_quantized(int8_file, tmp_path):
-    with pytest.raises(UserError, match=r"already quantized.*unquantized checkpoint it came from"):
-        quantize.quantize(int8_file, "int4", 32, output=tmp_path / "out.safetensors")
+    for mode in ("int4", "int4-gguf"):
+        with pytest.raises(UserError, match=r"already quantized.*unquantized checkpoint it came from"):
+            quantize.quantize(int8_file, mode, 32, output=tmp_path / "out.safetensors")
     assert list(tmp_path.iterdir()) == [] and not list(int8_file.parent.glob("*.partial"))
+
+
+def test_int4_gguf_keeps_groups_of_32(bundled_checkpoint, tmp_path):
+    with pytest.raises(UserError, match="int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize"):
+        quantize.quantize(bundled_checkpoint, "int4-gguf", 64, output=tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_goes_where_asked_but_never_over_the_checkpoint(bundled_checkpoint, tmp_path):
+    """A folder gets the default name in it; the checkpoint itself (here through a link, which a
+    mistaken write would replace rather than the bundled file) and a missing folder are refused."""
+    (tmp_path / "ck").mkdir()
+    checkpoint = tmp_path / "ck" / bundled_checkpoint.name
+    checkpoint.symlink_to(bundled_checkpoint)
+    assert quantize.output_file(tmp_path, checkpoint, "int8", 32) == tmp_path / "fastllama_int8.safetensors"
+    assert quantize.output_file(None, checkpoint, "int4", 64) == checkpoint.with_name("fastllama_int4.g64.safetensors")
+    with pytest.raises(UserError, match="is the checkpoint being quantized: name another file"):
+        quantize.quantize(checkpoint, "int8", output=checkpoint)
+    with pytest.raises(UserError, match="its folder does not exist"):
+        quantize.quantize(checkpoint, "int8", output=tmp_path / "missing" / "out.safetensors")
+    assert checkpoint.is_symlink() and sorted(p.name for p in tmp_path.rglob("*")) == ["ck", checkpoint.name]
 
 
 def test_missing_checkpoint(tmp_path):
