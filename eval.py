@@ -318,8 +318,9 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     lengths = [settings[name] for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
                if settings.get(name) is not None]
     recommended = generation_config or {}
-    sampled = settings.get("do_sample", float(settings.get("temperature", 0.0)) > 0)
-    temperature = float(settings.get("temperature", recommended.get("temperature") or 1.0)) if sampled else 0.0
+    said = settings.get("temperature")  # null: unsaid
+    sampled = settings.get("do_sample", said is not None and float(said) > 0)
+    temperature = float(recommended.get("temperature") or 1.0 if said is None else said) if sampled else 0.0
     sampling = dict(temperature=temperature, top_k=None, top_p=None)
     if temperature > 0:
         for name, default in HF_FILTERS.items():
@@ -415,8 +416,10 @@ def main(args):
         ppl = perplexity(model, tokens, args.seq_len, args.batch_size, progress=rank == 0,
                          kv_cache_dtype=kv_cache_dtype)
         if rank == 0:
-            print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {len(tokens)} tokens "
-                  f"in windows of {args.seq_len}, KV cache {args.kv_cache_dtype or args.precision}")
+            scored = len(tokens) // args.seq_len * args.seq_len  # whole windows only
+            left = f" (the last {len(tokens) - scored}, short of a window, not scored)" if scored < len(tokens) else ""
+            print(f"{args.checkpoint_path or 'bundled model'}: perplexity {ppl:.3f} over {scored} tokens in windows "
+                  f"of {args.seq_len}{left}, KV cache {args.kv_cache_dtype or args.precision}")
         return ppl
     name = str(args.checkpoint_path or "bundled SmolLM2-135M-Instruct")
     generation_config = read_json(find_checkpoint(args.checkpoint_path).parent / "generation_config.json")

@@ -255,6 +255,9 @@ def test_sampling_settings_as_transformers_generate_fills_them_in():
     assert ev.generation_options({}, config)[1] == dict(temperature=0.0, top_k=None, top_p=None)  # greedy: no filters
     assert ev.generation_options({"do_sample": True}, config)[1] == dict(temperature=0.6, top_k=20, top_p=0.8)
     assert ev.generation_options({"do_sample": True}, {"temperature": None})[1]["temperature"] == 1.0
+    # a null temperature is unsaid (the harness's own normalize_gen_kwargs fails on it, older versions pass it on)
+    assert ev.generation_options({"do_sample": True, "temperature": None}, config)[1]["temperature"] == 0.6
+    assert ev.generation_options({"temperature": None}, config)[1]["temperature"] == 0.0
     defaults = getattr(pytest.importorskip("transformers").GenerationConfig, "_get_default_generation_params", None)
     if defaults is not None:  # where transformers keeps its defaults apart (5.x)
         assert {name: defaults()[name] for name in ev.HF_FILTERS} == ev.HF_FILTERS
