@@ -471,7 +471,8 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
 
         generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **options)
         print()
-        messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+        # what was printed: an answer cut inside a character by max_new_tokens keeps no U+FFFD for it
+        messages.append({"role": "assistant", "content": printed})
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

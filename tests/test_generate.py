@@ -413,6 +413,32 @@ def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_an_answer_cut_inside_a_character_keeps_what_was_printed(monkeypatch, capsys):
+    tokenizer = gen.get_tokenizer(None)
+    smile = tokenizer.encode("Hi 🙂")  # the emoji's last token completes it
+    dialogs, encode = [], tokenizer.encode_dialog
+    monkeypatch.setattr(gen, "get_tokenizer", lambda path: tokenizer)
+    monkeypatch.setattr(tokenizer, "encode_dialog", lambda messages: dialogs.append(list(messages)) or encode(messages))
+
+    def cut_short(model, prompt, budget, callback, **options):  # an answer that max_new_tokens ends mid-emoji
+        for token in smile[:-1]:
+            callback([[token]])
+
+    monkeypatch.setattr(gen, "generate", cut_short)
+    turns = ["Say hi", "Again"]
+
+    def user(prompt: str) -> str:  # two turns, then the end of the input
+        if not turns:
+            raise EOFError
+        return turns.pop(0)
+
+    monkeypatch.setattr("builtins.input", user)
+    gen.run(gen.parse_args(["--interactive", "--precision", "fp32"]))
+    assert dialogs[-1][1] == {"role": "assistant", "content": "Hi"}  # no U+FFFD for the half emoji
+    assert capsys.readouterr().out.count("Assistant: Hi\n") == 2
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
     turns = []
 
