@@ -415,13 +415,13 @@ def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_an_answer_cut_inside_a_character_keeps_what_was_printed(monkeypatch, capsys):
     tokenizer = gen.get_tokenizer(None)
-    smile = tokenizer.encode("Hi 🙂")  # the emoji's last token completes it
+    cut = tokenizer.encode("Hi") + tokenizer.encode("🙂")[:1]  # the emoji's first token of two
     dialogs, encode = [], tokenizer.encode_dialog
     monkeypatch.setattr(gen, "get_tokenizer", lambda path: tokenizer)
     monkeypatch.setattr(tokenizer, "encode_dialog", lambda messages: dialogs.append(list(messages)) or encode(messages))
 
     def cut_short(model, prompt, budget, callback, **options):  # an answer that max_new_tokens ends mid-emoji
-        for token in smile[:-1]:
+        for token in cut:
             callback([[token]])
 
     monkeypatch.setattr(gen, "generate", cut_short)
