@@ -81,8 +81,10 @@ def write_atomically(path: Path, write: Callable, binary: bool = False):
         with open(tmp, "wb" if binary else "w") as f:
             write(f)
         os.replace(tmp, path)
-    except BaseException:  # KeyboardInterrupt too: never leave a partial file behind
+    except BaseException as e:  # KeyboardInterrupt too (and SIGTERM: errors.run_cli): never a partial file
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename in (None, str(tmp), str(path)):  # a full disk, say
+            raise UserError(f"could not write {path}: {e.strerror or e}") from None
         raise
 
 
@@ -95,9 +97,12 @@ def read_json(path: Path) -> dict:
     """A JSON file that may be beside a checkpoint (generation_config.json, tokenizer_config.json): {}
     where it is not there, one line where it is not JSON."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        content = json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}): download it again") from None
+    if not isinstance(content, dict):
+        raise UserError(f"{path} holds a JSON {type(content).__name__}, not an object: download it again")
+    return content
 
 
 def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None

@@ -10,7 +10,6 @@ layer type we do not know), and any source tensor that the conversion would leav
 """
 
 import importlib.util
-import json
 import math
 import sys
 from dataclasses import asdict
@@ -19,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from checkpoint import (_DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, single, write_atomically, write_json,
-                        write_safetensors)
+from checkpoint import (_DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
+                        write_json, write_safetensors)
 from errors import UserError
 from model import ModelArgs, Transformer
 
@@ -46,6 +45,8 @@ def config_from_hf(config: dict) -> ModelArgs:
     variant is read from the config's own fields; the family (model_type) gives only the defaults
     its config class would fill in, and what its modeling code implies (Qwen2's q/k/v biases)."""
     model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if model_type is None:
+        raise UserError("config.json names no model_type: take the config.json the model's repository ships")
     if model_type not in SUPPORTED or any(a != SUPPORTED[model_type] for a in architectures):
         raise UserError(f"{', '.join(architectures) or model_type} (model_type {model_type!r}) is not supported; "
                         f"supported: {', '.join(SUPPORTED.values())}")
@@ -241,11 +242,26 @@ class HFWeights:
 
     def __init__(self, checkpoint_dir: Path):
         self.tensors = {}  # name -> (shape, dtype, function that reads the tensor)
-        files = sorted(p for p in checkpoint_dir.glob("*.safetensors")
-                       if not is_ours(p) and not p.name.startswith("consolidated"))
+        self.shards = {}  # name -> the file the index names for it, where there is an index
+        index = read_json(checkpoint_dir / "model.safetensors.index.json").get("weight_map")
+        if index:  # only the files it names: a folder may keep an older sharding's files too
+            self.shards = index
+            files = sorted({checkpoint_dir / name for name in index.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise UserError(f"{checkpoint_dir} lacks {', '.join(missing)}, which its model.safetensors.index.json "
+                                f"names (an interrupted download?): run scripts/download.py again")
+        else:
+            files = sorted(p for p in checkpoint_dir.glob("*.safetensors")
+                           if not is_ours(p) and not p.name.startswith("consolidated"))
         for file in files:
             handle = readable(file, lambda: safe_open(str(file), framework="pt"))
             for k in handle.keys():
+                if index and index.get(k) != file.name:
+                    continue  # a tensor the index places in another file
+                if k in self.tensors:
+                    raise UserError(f"{k} is in two weight files of {checkpoint_dir}, {file.name} among them: "
+                                    f"remove the stale copy (or download again into an empty folder)")
                 meta = handle.get_slice(k)
                 if meta.get_dtype() not in _DTYPES:
                     raise UserError(f"{file.name} stores {k} as {meta.get_dtype()}, which conversion does not read: "
@@ -254,17 +270,30 @@ class HFWeights:
                                    lambda h=handle, k=k: h.get_tensor(k))
         if not files:
             for file in sorted(checkpoint_dir.glob("pytorch_model*.bin")):
-                # mmap: a tensor's bytes are read from disk when it is used, not at load
-                shard = readable(file, lambda: torch.load(file, map_location="cpu", mmap=True, weights_only=True))
+                shard = readable(file, lambda: load_bin(file))
                 self.tensors.update({k: (tuple(t.shape), t.dtype, lambda t=t: t) for k, t in shard.items()})
         if not self.tensors:
             raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {checkpoint_dir}: "
                             f"download them with scripts/download.py --repo_id REPO_ID")
 
     def __getitem__(self, name: str) -> tuple:
+        if name not in self.tensors and name in self.shards:
+            raise UserError(f"{self.shards[name]} holds no {name!r}, though model.safetensors.index.json says it "
+                            f"does: run scripts/download.py again")
         if name not in self.tensors:
             raise UserError(f"the checkpoint has no tensor {name!r}, which its config.json implies")
         return self.tensors[name]
+
+
+def load_bin(file: Path) -> dict:
+    """A pytorch_model*.bin shard, memory-mapped (a tensor's bytes are read when it is used, not at
+    load) where its format allows: files saved before PyTorch 1.6's zip format are read whole."""
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as e:
+        if "mmap can only be used with files saved with" not in str(e):
+            raise
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> Path:
@@ -274,10 +303,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     config_path = checkpoint_dir / "config.json"
     if not config_path.is_file():
         raise UserError(f"{config_path} is missing: download the model with scripts/download.py --repo_id REPO_ID")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise UserError(f"{config_path} is not valid JSON ({e}): download the model again")
+    hf_config = read_json(config_path)
     try:
         args = config_from_hf(hf_config)
     except KeyError as e:  # a field its config class always writes, missing from a hand-written file

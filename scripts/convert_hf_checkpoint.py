@@ -8,6 +8,7 @@ The Hugging Face files are only read.
 """
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from errors import run_cli  # noqa: E402
 
 def main(args):
     path = convert_hf_checkpoint(args.checkpoint_dir)
-    print(f"wrote {path}; run: python generate.py --checkpoint_path {path.parent}")
+    print(f"wrote {path}; run: python generate.py --checkpoint_path {shlex.quote(str(path.parent))}")
 
 
 if __name__ == "__main__":

@@ -225,3 +225,64 @@ def test_config_that_changes_the_math_is_refused(case, tmp_path):
     tiny_llama(**overrides).save_pretrained(tmp_path / "hf")
     message = assert_refused(tmp_path / "hf", expected)
     assert "LlamaForCausalLM" in message or case == "yarn_rope_scaling"
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. what a folder of downloads can hold: shards of two shardings, a missing shard, the old .bin format
+
+
+def converted_logits(directory) -> torch.Tensor:
+    model = load_model(convert_hf_checkpoint(directory), "cpu", "fp32")
+    ids = torch.arange(24)[None] % TINY["vocab_size"]
+    with torch.no_grad():
+        model.setup_caches(1, 24)
+        return model(ids, torch.arange(24))
+
+
+def hf_logits(hf) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.arange(24)[None] % TINY["vocab_size"]).logits
+
+
+def test_the_index_says_which_shards_to_read(tmp_path):
+    """A repository sharded anew and downloaded again into the same folder keeps the old shards beside
+    the new ones: the index names the files to read. Without an index, a tensor in two files is refused."""
+    old, new = tiny_llama(), tiny_llama(rms_norm_eps=1e-5)
+    for p in new.parameters():
+        p.data.add_(0.5)  # other weights, so that reading the old shards would show
+    old.save_pretrained(tmp_path / "old", max_shard_size="40KB")
+    new.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    new_shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    old_shards = sorted(p.name for p in (tmp_path / "old").glob("model-*.safetensors"))
+    assert len(old_shards) > len(new_shards) > 1 and not set(old_shards) & set(new_shards)
+    for name in old_shards:  # the old sharding's files, left behind
+        (tmp_path / "hf" / name).write_bytes((tmp_path / "old" / name).read_bytes())
+    assert relative_error(converted_logits(tmp_path / "hf"), hf_logits(new)) <= 1e-4
+
+    missing = tmp_path / "hf" / new_shards[-1]
+    missing.rename(tmp_path / new_shards[-1])
+    (tmp_path / "hf" / CHECKPOINT_NAME).unlink()
+    (tmp_path / "hf" / CONFIG_NAME).unlink()
+    assert_refused(tmp_path / "hf", f"lacks {new_shards[-1]}, which its model.safetensors.index.json names .*"
+                                    f"run scripts/download.py again")
+    (tmp_path / new_shards[-1]).rename(missing)
+    (tmp_path / "hf" / "model.safetensors.index.json").unlink()
+    assert_refused(tmp_path / "hf", r"is in two weight files of .*: remove the stale copy")
+
+
+def test_a_bin_file_in_the_format_before_zip_converts(tmp_path):
+    hf = tiny_llama()
+    (tmp_path / "hf").mkdir()
+    hf.config.save_pretrained(tmp_path / "hf")
+    torch.save(hf.state_dict(), tmp_path / "hf" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert relative_error(converted_logits(tmp_path / "hf"), hf_logits(hf)) <= 1e-4
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[]", "holds a JSON list, not an object: download it again"),
+    (json.dumps({"architectures": ["LlamaForCausalLM"]}), "config.json names no model_type"),
+])
+def test_a_config_json_without_the_fields_is_one_line(content, match, tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(content)
+    assert_refused(tmp_path, match)

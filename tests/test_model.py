@@ -1,13 +1,20 @@
 """Our model against HF transformers on the same weights: the bundled GGUF and tiny HF checkpoints."""
 
+import errno
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint import CHECKPOINT_NAME, single, write_safetensors
+from checkpoint import CHECKPOINT_NAME, single, write_atomically, write_safetensors
 from convert import convert_hf_checkpoint
 from errors import UserError
 from generate import generate, get_tokenizer, load_model
@@ -162,6 +169,32 @@ def test_conversion_is_streamed_and_atomic(tmp_path, monkeypatch):
     assert not (tmp_path / "hf" / CHECKPOINT_NAME).exists()
     assert not list((tmp_path / "hf").glob("*.partial"))
     assert not (tmp_path / "hf" / "model_config.json").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    def fill(f):
+        f.write("x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
+
+    with pytest.raises(UserError, match=f"could not write {tmp_path / 'out.json'}: No space left on device"):
+        write_atomically(tmp_path / "out.json", fill)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_terminated_command_leaves_no_partial_file(tmp_path):
+    """SIGTERM (kill, timeout) ends a command line as Ctrl-C does, through write_atomically's cleanup."""
+    script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+              "from checkpoint import write_atomically; from errors import run_cli\n"
+              f"run_cli(lambda args: write_atomically({str(tmp_path / 'out.bin')!r}, "
+              "lambda f: (f.write('x'), f.flush(), time.sleep(60))), None)\n")
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("*.partial")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("*.partial")), "the write never started"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_config_errors(tmp_path):
