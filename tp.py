@@ -40,6 +40,9 @@ def maybe_init_distributed(device: str | None = None) -> tuple[int, int]:
         if device not in (None, "cuda"):
             raise UserError(f"--device {device} under torchrun: each rank takes the GPU of its LOCAL_RANK, so "
                             "leave out --device or pass --device cuda")
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} under torchrun, but this PyTorch has no CUDA device: leave out "
+                            f"--device (the ranks then share the CPU, through gloo)")
         if world > torch.cuda.device_count():
             raise UserError(f"{world} processes but {torch.cuda.device_count()} GPUs: use --nproc_per_node "
                             f"{torch.cuda.device_count()} or fewer")
@@ -69,6 +72,8 @@ def apply_tp(model: Transformer, rank: int, world: int, groupsize: int | None = 
 def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None):
     """A clear error, naming the world sizes that work, when the model does not split `world` ways."""
     def fits(w):
+        if w == 1:  # one process takes any shape (int4 pads its columns to whole groups)
+            return True
         hidden = [config.intermediate_size] + [config.moe_intermediate_size] * (config.n_experts > 0)
         ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and all(h % w == 0 for h in hidden)
         if groupsize:  # int4 row-wise shards must hold whole groups of input columns

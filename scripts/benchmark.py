@@ -769,5 +769,13 @@ if __name__ == "__main__":
         refuse("--speculate_k and --prompt_length must be at least 1, --draft_alternatives 0 or more")
     if args.dense_twin and not (args.model and ModelArgs.from_name(args.model).n_experts):
         refuse("--dense-twin goes with a mixture-of-experts --model")
+    if args.checkpoint_path and not (args.speculative or args.harness):  # the ladder quantizes from bf16 weights
+        try:
+            quantized = read_metadata(gen.find_checkpoint(args.checkpoint_path)).get("quantization")
+        except UserError as e:
+            refuse(str(e))
+        if quantized:
+            refuse(f"{args.checkpoint_path} is quantized: the ladder starts from the unquantized checkpoint; give that "
+                   f"as --checkpoint_path and this one as --quantized {args.checkpoint_path}")
     modes = dict(speculative=speculative_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

@@ -254,7 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="the target (default: the bundled model)")
     p.add_argument("--text", type=Path, default=None, help="training text (default: Python's documentation)")
-    p.add_argument("--output", type=Path, default=None, help=f"default: {HEAD_NAME} beside the checkpoint")
+    p.add_argument("--output", type=Path, default=None,
+                   help=f"the file to write, or a folder for {HEAD_NAME} (default: beside the checkpoint)")
     p.add_argument("--vocab", type=int, default=8192, help="the head's vocabulary: this many most frequent tokens")
     p.add_argument("--window", type=int, default=512, help="tokens the target reads at once")
     p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows: the text's last")
@@ -276,6 +277,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse("--window must be at least 2 (a window's first token predicts the next)")
     if args.minutes <= 0 or args.own_answers < 0:
         refuse("--minutes must be more than 0, and --own_answers 0 or more")
+    if args.output and args.output.is_dir():
+        args.output = args.output / HEAD_NAME
+    if args.output and not args.output.parent.is_dir():  # found now, not after the training
+        refuse(f"--output {args.output}: its folder does not exist")
     if args.max_windows is not None and args.max_windows - held_out(args.max_windows) < args.batch_size:
         refuse(f"--max_windows {args.max_windows} leaves fewer than --batch_size {args.batch_size} windows to train "
                f"on after {held_out(args.max_windows)} held out")

@@ -197,3 +197,13 @@ def test_bad_setups_are_one_line_before_measuring(tmp_path, script, argv, messag
     run = subprocess.run([sys.executable, f"scripts/{script}", "--model", "SmolLM2-135M", "--random-weights", *argv],
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0 and message in run.stderr.splitlines()[-1] and "Traceback" not in run.stderr
+
+
+def test_the_ladder_refuses_a_quantized_checkpoint_before_measuring(int4_checkpoint):
+    """It quantizes from bf16 weights (its table's floor counts them), so a quantized file goes to --quantized."""
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--no-hf", "--checkpoint_path", str(int4_checkpoint)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1] == (f"error: {int4_checkpoint} is quantized: the ladder starts from the unquantized "
+                                           f"checkpoint; give that as --checkpoint_path and this one as --quantized "
+                                           f"{int4_checkpoint}")

@@ -17,7 +17,7 @@ from errors import UserError
 from generate import generate, get_tokenizer, load_model
 from model import ModelArgs, Transformer
 from quantize import python_docs_text
-from speculative import DraftHead, HeadDrafter
+from speculative import HEAD_NAME, DraftHead, HeadDrafter
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,10 +134,13 @@ def test_bad_training_arguments_are_one_line(tiny_checkpoint, tmp_path, monkeypa
     for argv, message in ((["--max_windows", "8"], "--max_windows 8 leaves fewer than --batch_size 8 windows"),
                           (["--epochs", "0"], "--epochs must be at least 1"),
                           (["--window", "1"], "--window must be at least 2"),
-                          (["--minutes", "0"], "--minutes must be more than 0")):
+                          (["--minutes", "0"], "--minutes must be more than 0"),
+                          (["--output", str(tmp_path / "missing" / "h.safetensors")],
+                           f"--output {tmp_path / 'missing' / 'h.safetensors'}: its folder does not exist")):
         with pytest.raises(SystemExit) as exit:
             train_draft_head.parse_args(argv)
         assert exit.value.code.startswith(f"error: {message}")
+    assert train_draft_head.parse_args(["--output", str(tmp_path)]).output == tmp_path / HEAD_NAME  # a folder
     text = tmp_path / "text.txt"
     text.write_text(python_docs_text("calibration")[:1500])  # 5 windows of 64 tokens
     args = train_draft_head.parse_args(["--checkpoint_path", str(tiny_checkpoint), "--text", str(text),

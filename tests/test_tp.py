@@ -135,9 +135,18 @@ def test_sizes_that_do_not_split_are_refused():
     config = ModelArgs.from_name("SmolLM2-135M")
     with pytest.raises(UserError, match=r"world sizes that work: \[1, 3\]"):
         tp.check_divisible(config, 2)
-    with pytest.raises(UserError, match="int4 groups of 256"):
+    with pytest.raises(UserError, match=r"int4 groups of 256.*world sizes that work: \[1\]"):  # one pads its groups
         tp.check_divisible(config, 3, groupsize=256)
     tp.check_divisible(config, 3, groupsize=32)
+
+
+def test_cuda_under_torchrun_without_cuda_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda under torchrun, but this PyTorch has no CUDA device"):
+        tp.maybe_init_distributed("cuda")
 
 
 def test_shard_selector_splits_fused_parts_on_their_own_boundaries():
