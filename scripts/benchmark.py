@@ -747,6 +747,8 @@ if __name__ == "__main__":
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()
+    if args.tp is not None and (args.speculative or args.harness):
+        refuse("--tp shards the ladder's rungs; --speculative and --harness run in one process")
     if args.speculative and args.model:
         refuse("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
     if args.harness and args.model:
