@@ -195,6 +195,14 @@ def test_perplexity_over_windows_that_do_not_fill_the_last_batch():
         ev.perplexity(model, torch.randint(0, 64, (300,)), seq_len=128)
 
 
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_the_perplexity_line_counts_the_tokens_it_scored():
+    run = subprocess.run([sys.executable, "eval.py", "--max_tokens", "300", "--seq_len", "128", "--batch_size", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "over 256 tokens in windows of 128 (the last 44, short of a window, not scored)" in run.stdout, run.stdout
+
+
 def test_rolling_loglikelihood_predicts_every_token_once(harness_model, hf_model):
     pytest.importorskip("lm_eval")
     text = "The quick brown fox jumps over the lazy dog. " * 6
