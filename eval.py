@@ -28,7 +28,8 @@ import cpu_decode
 from checkpoint import read_json, write_json
 from errors import UserError, refuse, run_cli
 from decode import key_positions
-from generate import KV_CACHE_DTYPES, PRECISIONS, HelpFormatter, find_checkpoint, generate, get_tokenizer, load_model
+from generate import (KV_CACHE_DTYPES, NO_FILTER, PRECISIONS, HelpFormatter, find_checkpoint, generate, get_tokenizer,
+                      load_model)
 from model import Transformer
 from quantize import python_docs_text
 from tokenizer import Tokenizer
@@ -302,7 +303,6 @@ def batched(items: list, size: int):
 # the filters HF's generate samples with where neither the request nor the checkpoint's
 # generation_config.json names one (transformers' GenerationConfig defaults); top_k 0 and top_p 1 are none
 HF_FILTERS = dict(top_k=50, top_p=1.0)
-NO_FILTER = dict(top_k=0, top_p=1.0)
 
 
 def generation_options(settings: dict, generation_config: dict | None = None) -> tuple[int, dict]:

@@ -32,6 +32,8 @@ KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PROMPT = "Tell me about Paris"  # the command line's default
 # the command line's sampling where neither it nor the checkpoint's generation_config.json sets one
 SAMPLING = dict(temperature=0.8, top_k=200, top_p=None)
+# how generation_config.json (and the command line, and a harness task) say "no filter"
+NO_FILTER = dict(top_k=0, top_p=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,10 +342,9 @@ def sampling_options(args, checkpoint_path: Path) -> dict:
     recommended = read_json(Path(checkpoint_path).parent / "generation_config.json")
     if recommended.get("do_sample") is False:
         recommended = dict(temperature=0.0)
-    no_filter = dict(top_k=0, top_p=1)  # how the file, and the command line, say "none"
-    recommended = {name: None if recommended[name] == no_filter.get(name) else recommended[name]
+    recommended = {name: None if recommended[name] == NO_FILTER.get(name) else recommended[name]
                    for name in SAMPLING if name in recommended}
-    given = {name: None if getattr(args, name) == no_filter.get(name) else getattr(args, name)
+    given = {name: None if getattr(args, name) == NO_FILTER.get(name) else getattr(args, name)
              for name in SAMPLING if getattr(args, name) is not None}
     used = {name: value for name, value in recommended.items() if name not in given}
     if used:

@@ -387,9 +387,9 @@ def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path
     checkpoint_path = resolve_checkpoint(checkpoint_path)
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    quantized = read_metadata(checkpoint_path).get("quantization")
-    if quantized:
-        raise UserError(f"{checkpoint_path} is already quantized ({quantized}): quantize the unquantized "
+    existing = read_scheme(read_metadata(checkpoint_path))
+    if existing:
+        raise UserError(f"{checkpoint_path} is already quantized ({json.dumps(existing)}): quantize the unquantized "
                         f"checkpoint it came from")
     if mode == "int4-gguf" and groupsize != 32:
         raise UserError("int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize")
