@@ -242,11 +242,10 @@ class HFWeights:
 
     def __init__(self, checkpoint_dir: Path):
         self.tensors = {}  # name -> (shape, dtype, function that reads the tensor)
-        self.shards = {}  # name -> the file the index names for it, where there is an index
-        index = read_json(checkpoint_dir / "model.safetensors.index.json").get("weight_map")
-        if index:  # only the files it names: a folder may keep an older sharding's files too
-            self.shards = index
-            files = sorted({checkpoint_dir / name for name in index.values()})
+        # name -> the file model.safetensors.index.json names for it ({} where there is no index)
+        self.shards = read_json(checkpoint_dir / "model.safetensors.index.json").get("weight_map") or {}
+        if self.shards:  # only the files it names: a folder may keep an older sharding's files too
+            files = sorted({checkpoint_dir / name for name in self.shards.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise UserError(f"{checkpoint_dir} lacks {', '.join(missing)}, which its model.safetensors.index.json "
@@ -257,7 +256,7 @@ class HFWeights:
         for file in files:
             handle = readable(file, lambda: safe_open(str(file), framework="pt"))
             for k in handle.keys():
-                if index and index.get(k) != file.name:
+                if self.shards and self.shards.get(k) != file.name:
                     continue  # a tensor the index places in another file
                 if k in self.tensors:
                     raise UserError(f"{k} is in two weight files of {checkpoint_dir}, {file.name} among them: "
