@@ -298,8 +298,10 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                          stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
                          kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
-    receives "accepted_counts" (how many verify steps, over all rows, kept 0, 1, ..., k drafts),
-    "plain_steps" (steps taken without a proposal) and, with alternatives, "alternatives_kept"."""
+    receives "accepted_counts" (how many verify steps, over all rows, found 0, 1, ..., k drafts right),
+    "verify_tokens" (the tokens those steps added to the text: fewer where a round passes
+    max_new_tokens), "plain_steps" (steps taken without a proposal) and, with alternatives,
+    "alternatives_kept"."""
     if not isinstance(drafter, Drafter):
         raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
                         f"not {drafter!r}")
@@ -347,6 +349,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         decode.stream(callback, cur, torch.ones_like(cur, dtype=torch.bool))
     accepted_counts = torch.zeros(k + 1, dtype=torch.long, device=device)
     alternatives_kept = torch.zeros((), dtype=torch.long, device=device)
+    verify_tokens = torch.zeros((), dtype=torch.long, device=device)
     plain_step_count = 0
 
     while not done.all():  # host syncs a round, not a token
@@ -377,6 +380,8 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         position = lengths[:, None] + offsets  # (B, emitted): where each emitted token goes
         written = (offsets <= n[:, None]) & (position < limit[:, None])  # nothing past the requested length
         tokens.scatter_(1, position, torch.where(written, emitted, tokens.gather(1, position)))
+        if not isinstance(proposal, int):
+            verify_tokens += written.sum()
         stopped = torch.isin(emitted, stops) & written
         if callback:  # the row's text: written, up to and including a stop token
             decode.stream(callback, emitted, written & (stopped.cumsum(1) - stopped.long() == 0))
@@ -386,8 +391,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         done |= lengths == limit
 
     if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted (an alternative counts as
-        # its draft); steps without drafts; with alternatives, the rounds that kept one
-        stats.update(accepted_counts=accepted_counts.tolist(), plain_steps=plain_step_count)
+        # its draft) and the tokens they wrote; steps without drafts; with alternatives, the rounds that kept one
+        stats.update(accepted_counts=accepted_counts.tolist(), verify_tokens=int(verify_tokens),
+                     plain_steps=plain_step_count)
         if room:
             stats.update(alternatives_kept=int(alternatives_kept))
     return [torch.cat([p.cpu(), decode.until_stop(row[len(p): end], stop_ids)])
@@ -574,9 +580,8 @@ def acceptance_rate(stats: dict, k: int) -> float:
 
 def format_stats(stats: dict, k: int) -> str:
     counts = stats["accepted_counts"]
-    rounds, accepted = sum(counts), accepted_drafts(stats)
     histogram = " ".join(f"{i}:{c}" for i, c in enumerate(counts))
     tree = f"{stats['alternatives_kept']} of them ending in an alternative, " if "alternatives_kept" in stats else ""
     return (f"acceptance rate {acceptance_rate(stats, k):.1%}, mean tokens per verify step "
-            f"{(accepted + rounds) / max(1, rounds):.2f}, accepted drafts per verify step [{histogram}], "
+            f"{stats['verify_tokens'] / max(1, sum(counts)):.2f}, accepted drafts per verify step [{histogram}], "
             f"{tree}{stats['plain_steps']} plain steps")

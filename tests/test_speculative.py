@@ -250,6 +250,20 @@ def test_a_draft_of_the_targets_shape_drafts_in_its_caches_rings_included():
 
 
 @torch.no_grad()
+def test_the_tokens_a_verify_step_adds_stop_at_max_new_tokens():
+    """A twin of the target has all 5 drafts right, but 4 new tokens leave room for 3 after the first
+    (the prefill's): the round counts 5 drafts found right and 3 tokens added, and says so."""
+    torch.manual_seed(0)
+    target = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, dim=32, block_size=256)).eval()
+    stats, prompt = {}, torch.tensor([1, 2, 3])
+    spec = generate(target, prompt, 4, temperature=0, drafter=DraftModel(copy.deepcopy(target)), speculate_k=5,
+                    stats=stats)
+    assert len(spec) == 3 + 4
+    assert stats["accepted_counts"] == [0, 0, 0, 0, 0, 1] and stats["verify_tokens"] == 3, stats
+    assert "mean tokens per verify step 3.00" in speculative.format_stats(stats, 5)
+
+
+@torch.no_grad()
 def test_a_draft_in_the_targets_caches_follows_them_when_they_are_made_anew():
     """The target's caches remade smaller (another batch size) between two speculative calls: the
     draft then reads the new ones through their own position table, and needs none of its own."""
