@@ -76,9 +76,9 @@ def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode
-    step's m rows, the query heads that share a key/value head, go through rows_product: each key and
-    value read once for all of them."""
+    """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode or
+    verify step's m <= ATTENTION_ROWS rows (the query heads that share a key/value head, times the
+    positions) go through rows_product: each key and value read once for all of them."""
     if not torch.compiler.is_compiling():
         return torch.matmul(a, b)
     m = a.shape[-2]
@@ -193,8 +193,8 @@ def pack(model: Transformer):
 
 def apply(model: Transformer):
     """On CPU, give the model's linears, attention products and experts' products the forms above
-    (once: a second call changes nothing). Quantized linears (quantize.py) choose their own CPU path
-    when packed."""
+    (once: a second call changes nothing). Quantized linears choose their own CPU path in
+    quantize.pack_for_device."""
     if next(model.parameters()).device.type != "cpu":
         return
     for module in model.modules():

@@ -3,7 +3,7 @@ prefill, the one-token step, and the cache length both size their caches by.
 
 `compile_steps()` replaces the one-token step, and optionally prefill's forward of one chunk, with
 compiled ones; callers reach them as `decode.decode_one_token` and `decode.prefill_chunk` (through
-`decode.prefill`), so that they get whichever is current.
+`decode.prefill_logits`), so that they get whichever is current.
 """
 
 import functools
@@ -132,7 +132,7 @@ def key_positions(model: Transformer, n: int) -> Tensor:
     (B, n'). So a step's cost follows the depth, and a cache sized for the whole context does not
     slow a short text. The length is marked dynamic: compiled code makes one graph for every depth
     (on GPU, CUDA graphs record one replay per block count, without recompiling)."""
-    keys = model.positions[:, : min(-(-n // KV_BLOCK) * KV_BLOCK, model.max_seq_length)]
+    keys = model.positions[:, : padded_length(n, model.max_seq_length)]
     torch._dynamo.maybe_mark_dynamic(keys, 1)
     return keys
 
@@ -173,9 +173,8 @@ def copied_out(step):
 def padded_length(n: int, context: int) -> int:
     """Cache length for n positions: rounded up to whole blocks of KV_BLOCK, never past the model's
     context length. Nearby lengths share one compiled decode graph, and the cache's reads
-    (key_positions) are whole blocks up to the context: on an H100, a step at depth 32,704 read a cache
-    that ended 32 positions short of a block at 644 GB/s, a whole one at 1,506 (two runs on two
-    machines, so a lead, not yet an A/B: benchmarks/RESULTS.md, "A third GPU session")."""
+    (key_positions) are whole blocks up to the context: on a GPU a part block read slowly
+    (benchmarks/RESULTS.md, "A third GPU session")."""
     return min(-(-n // KV_BLOCK) * KV_BLOCK, context)
 
 

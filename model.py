@@ -26,13 +26,17 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # layer's ring holds beyond its window (Transformer.setup_caches)
 PREFILL_CHUNK = 256
 
-# forwards of at most this many positions (verify steps, draft trees) give the fused attention kernel
-# each key/value head's query heads as the rows of one head (Attention.attend); on CUDA, every forward does
-FOLDED_ATTENTION_ROWS = 16
+# forwards of at most this many positions (verify steps, draft trees, short eager prompts) give the fused
+# attention kernel each key/value head's query heads as the rows of one head, so that it reads each key
+# once a group, not once a query head (Attention.attend). On CUDA every forward does: with a mask, flash
+# takes none and the memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
+# would fall to the math backend, which writes out every score.
+FOLDED_ATTENTION_POSITIONS = 16
 
-# eager forwards on CPU over at most this many keys (eval.py's scoring of short rows; a generation only
-# where the model's whole context is this short: its cache is whole blocks of 256) write their attention out: there the fused kernel's cost is mostly its fixed
-# cost per call (benchmarks/RESULTS.md, "Scoring: short attention written out"; near even at 256 keys)
+# eager forwards on CPU over at most this many keys write their attention out: there the fused kernel's
+# cost is mostly its fixed cost per call (benchmarks/RESULTS.md, "Scoring: short attention written out";
+# near even at 256 keys). That is eval.py's scoring of short rows; a generation reads whole blocks of
+# decode.KV_BLOCK keys, so only a model whose whole context is this short.
 SHORT_ATTENTION_KEYS = 128
 
 
@@ -170,7 +174,7 @@ class Transformer(nn.Module):
                      kv_cache_dtype: torch.dtype | None = None):
         """Allocate the static KV cache and the RoPE tables for at least max_seq_length positions
         (a larger cache from before is kept: a new shape would cost compiled code a recompile). The
-        cache is stored in kv_cache_dtype (None: the model's dtype; torch.int8: see KVCache).
+        cache is stored in kv_cache_dtype (None: the model's dtype; a scaled format, int8 or fp8: see KVCache).
 
         A sliding-window layer's cache is a ring of window + chunk slots, and a forward then takes at
         most `chunk` new positions at a time (longer inputs go through in chunks): each of them may
@@ -242,18 +246,14 @@ class Transformer(nn.Module):
             for buffer in layer.attention.kv_cache.buffers():
                 buffer[rows, :, target] = buffer[rows, :, source]
 
-    def forward(self, idx: Tensor, input_pos: Tensor, last: Tensor | None = None,
-                key_positions: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
-        Returns logits (B, T, vocab_size); with last (B,) or (B, n), only those at each row's indices
-        `last` into T, (B, 1 or n, vocab_size): a prefill needs no more, and the head is the largest
-        matmul of small models.
+        Returns logits (B, T, vocab_size).
 
         key_positions: the first n slots of self.positions (decode.key_positions), n above every
         position of input_pos: attention then reads only those n slots of each full cache, so that
         a step costs what the depth needs, not what the cache holds. None: the whole cache."""
-        x = self.hidden_states(idx, input_pos.expand(idx.shape), key_positions)  # (B, T, dim)
-        return self.logits(x if last is None else rows_at(x, last))
+        return self.logits(self.hidden_states(idx, input_pos.expand(idx.shape), key_positions))
 
     def logits(self, x: Tensor) -> Tensor:
         """The last layer's output (B, T, dim) -> logits (B, T, vocab_size)."""
@@ -359,13 +359,15 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
-    # The two products of decode attention. cpu_decode.py swaps in a form that compiled code fuses
-    # into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
+    # The two products of written-out attention (decode steps, soft-capped scores, few keys or rows).
+    # cpu_decode.py swaps in a form that compiled code fuses into one pass over the cache; everything
+    # around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
     # A compiled forward of a few positions (a verify step) writes its attention out too, rather than
-    # call the fused kernel, where its rows a key/value head (the query heads that share it, times the
-    # positions) number at most this. cpu_decode.py raises it from 0: its products read each key once for
-    # all those rows, and on CPU the fused kernel's fixed cost is most of a short verify step's attention.
+    # call the fused kernel, while its rows a key/value head (group * T: the query heads that share it,
+    # times the positions) are at most this. cpu_decode.py raises it from 0: its products read each key
+    # once for all those rows, and on CPU the fused kernel's fixed cost is most of a short verify step's
+    # attention.
     written_out_rows = 0
 
     def __init__(self, config: ModelArgs):
@@ -412,14 +414,10 @@ class Attention(nn.Module):
         few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
         few_rows = torch.compiler.is_compiling() and statically_known_true(group * T <= self.written_out_rows)
         if T > 1 and self.softcap is None and not few_keys and not few_rows:  # prefill, longer verify steps
-            if 1 < group and (q.is_cuda or statically_known_true(T <= FOLDED_ATTENTION_ROWS)):
-                # each k/v head with its group of query heads as the rows of one head, so that the kernel
-                # reads each key once a group, not once a query head. On CPU only in verify steps
-                # (prefill's chunks gained nothing so: benchmarks/RESULTS.md, "Verify steps: a key/value
-                # head's query heads"), not where compiled prefill keeps T symbolic (a guard on it would
-                # split its one graph). On CUDA always: with a mask, flash takes none and the
-                # memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
-                # would fall to the math backend, which writes out every score.
+            if 1 < group and (q.is_cuda or statically_known_true(T <= FOLDED_ATTENTION_POSITIONS)):
+                # on CPU only where T is known and short: prefill's chunks gained nothing so
+                # (benchmarks/RESULTS.md, "Verify steps: a key/value head's query heads"), and a guard on
+                # compiled prefill's symbolic T would split its one graph
                 mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
                 folded = self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask, grouped=False)
                 return folded.reshape(B, nh, T, hd)
@@ -536,7 +534,7 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(self.mean_square(xf) + self.eps)
         return (normed * (self.offset + self.weight.float())).type_as(x)
 
-    def mean_square(self, xf: Tensor) -> Tensor:
+    def mean_square(self, xf: Tensor) -> Tensor:  # tp.ShardedRMSNorm's: over a vector split across ranks
         return xf.pow(2).mean(-1, keepdim=True)
 
 

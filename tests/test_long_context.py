@@ -8,7 +8,7 @@ from torch._inductor.compile_fx import compile_fx
 import cpu_decode
 import decode
 from errors import UserError
-from model import FOLDED_ATTENTION_ROWS, SHORT_ATTENTION_KEYS, Attention, KVCache, ModelArgs, Transformer
+from model import FOLDED_ATTENTION_POSITIONS, SHORT_ATTENTION_KEYS, Attention, KVCache, ModelArgs, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
 
@@ -127,7 +127,7 @@ def test_attention_compiled_as_prefill_is_with_symbolic_shapes(n_kv, T):
     mask = (torch.arange(160) <= torch.arange(100, 100 + T)[:, None])[None, None]  # (1, 1, T, S)
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
         reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != 8)
-    if T <= FOLDED_ATTENTION_ROWS:
+    if T <= FOLDED_ATTENTION_POSITIONS:
         torch._dynamo.mark_static(q, 2)
         torch._dynamo.mark_static(mask, 2)
     torch._dynamo.reset()
