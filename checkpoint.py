@@ -187,8 +187,8 @@ def load_config(checkpoint_path: Path) -> ModelArgs:
 
 
 # the files read beside a checkpoint's weights: load_config's, then tokenizer.load_tokenizer's
-COMPANIONS = (CONFIG_NAME, "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
-              "chat_template.jinja")
+COMPANIONS = (CONFIG_NAME, "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json", "chat_template.jinja")
 
 
 def copy_companions(checkpoint_path: Path, directory: Path):

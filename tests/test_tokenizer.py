@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from pydoc_data.topics import topics
 
+from checkpoint import copy_companions
 from errors import UserError
 from tokenizer import load_tokenizer
 
@@ -267,6 +268,16 @@ def test_special_tokens_map_as_transformers_reads_it(tmp_path, hf_tokenizer_json
     ours, theirs = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     assert (ours.eos_id, ours.bos_id) == (theirs.eos_token_id, theirs.bos_token_id)
     assert ours.eos_id == (0 if added_tokens_decoder else 2)
+
+
+def test_weights_written_into_another_folder_keep_the_tokenizer(tmp_path, hf_tokenizer_json):
+    """quantize.py --output into another folder copies the files the tokenizer reads: an older
+    checkpoint's special_tokens_map.json included, or its end of text would change."""
+    source = checkpoint(tmp_path / "source", hf_tokenizer_json, tokenizer_config={"eos_token": "<|endoftext|>"},
+                        special_tokens_map={"eos_token": "<|im_end|>"})
+    (tmp_path / "copy").mkdir()
+    copy_companions(source / "fastllama.safetensors", tmp_path / "copy")
+    assert load_tokenizer(tmp_path / "copy").eos_id == load_tokenizer(source).eos_id == 2
 
 
 def test_template_from_chat_template_jinja(tmp_path, hf_tokenizer_json):
