@@ -29,7 +29,7 @@ FORMAT = "fastllama"  # the `format` in the metadata of every file written here
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                 torch.bool: "BOOL"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 # Output tensors that are made together: their (name, dtype, shape), and a function that makes them
 # when their turn comes (a quantized weight and its scales, say, come out of one computation).
@@ -126,7 +126,7 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
             tensors = {}
             for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 begin, end = info["data_offsets"]
-                shape, dtype = info["shape"], _DTYPES[info["dtype"]]
+                shape, dtype = info["shape"], DTYPES[info["dtype"]]
                 if end - begin != torch.Size(shape).numel() * dtype.itemsize:
                     raise ValueError(f"tensor {name} has the wrong size")
                 offset = 8 + header_size + begin

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from checkpoint import (_DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
+from checkpoint import (DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
                         write_json, write_safetensors)
 from errors import UserError
 from model import ModelArgs, Transformer
@@ -262,10 +262,10 @@ class HFWeights:
                     raise UserError(f"{k} is in two weight files of {checkpoint_dir}, {file.name} among them: "
                                     f"remove the stale copy (or download again into an empty folder)")
                 meta = handle.get_slice(k)
-                if meta.get_dtype() not in _DTYPES:
+                if meta.get_dtype() not in DTYPES:
                     raise UserError(f"{file.name} stores {k} as {meta.get_dtype()}, which conversion does not read: "
                                     f"convert a bf16, fp16 or fp32 release")
-                self.tensors[k] = (tuple(meta.get_shape()), _DTYPES[meta.get_dtype()],
+                self.tensors[k] = (tuple(meta.get_shape()), DTYPES[meta.get_dtype()],
                                    lambda h=handle, k=k: h.get_tensor(k))
         if not files:
             for file in sorted(checkpoint_dir.glob("pytorch_model*.bin")):
@@ -295,7 +295,7 @@ def load_bin(file: Path) -> dict:
         return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> Path:
+def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
     """Convert a HF checkpoint directory into ours, written beside it as fastllama.safetensors and
     model_config.json. The source files are only read: never moved, renamed or rewritten."""
     checkpoint_dir = Path(checkpoint_dir)
@@ -308,7 +308,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output: Path | None = None) -> P
     except KeyError as e:  # a field its config class always writes, missing from a hand-written file
         raise UserError(f"{config_path} has no {e.args[0]!r}, which its family needs: download the model again")
     architecture = (hf_config.get("architectures") or [hf_config["model_type"]])[0]
-    output = Path(output or checkpoint_dir / CHECKPOINT_NAME)
+    output = checkpoint_dir / CHECKPOINT_NAME
     source = HFWeights(checkpoint_dir)
 
     with torch.device("meta"):

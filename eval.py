@@ -320,7 +320,8 @@ def generation_options(settings: dict, generation_config: dict | None = None) ->
     recommended = generation_config or {}
     said = settings.get("temperature")  # null: unsaid
     sampled = settings.get("do_sample", said is not None and float(said) > 0)
-    temperature = float(recommended.get("temperature") or 1.0 if said is None else said) if sampled else 0.0
+    default = recommended.get("temperature") or 1.0
+    temperature = float(default if said is None else said) if sampled else 0.0
     sampling = dict(temperature=temperature, top_k=None, top_p=None)
     if temperature > 0:
         for name, default in HF_FILTERS.items():

@@ -122,7 +122,7 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Groupwise int4. Holds the neutral layout until `pack(device)`, then the kernel's layout."""
+    """Groupwise int4. Holds the neutral layout until `pack(kernel)`, then the kernel's layout."""
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
                  dtype=torch.bfloat16, device=None):
@@ -137,7 +137,8 @@ class Int4Linear(nn.Module):
         self.kernel = None  # "cuda", "cpu", or "dequantize" once packed
 
     def pack(self, kernel: str):
-        """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros."""
+        """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
+        for "dequantize" the bf16 weight."""
         if kernel == "dequantize":
             self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins).bfloat16())
             del self.weight
@@ -280,7 +281,8 @@ def linear_names(model: Transformer) -> list[str]:
 
 
 def swap_linears(model: Transformer, scheme: dict):
-    """Replace nn.Linear by the quantized modules of `scheme` (the buffers are filled by loading)."""
+    """Replace the layers of linear_names (nn.Linear, and MoE experts' stacked linears) by the quantized
+    modules of `scheme` (the buffers are filled by loading)."""
     for name in linear_names(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -489,14 +491,15 @@ class GPTQ:
         self.hidden = self.run(block, i)  # the next layer sees this layer's quantized output
         self.layer = i
 
-    def run(self, block: TransformerBlock, layer: int, batch: int = 8) -> Tensor:
+    def run(self, block: TransformerBlock, layer: int) -> Tensor:
+        """The block's output for the calibration samples, 8 at a time."""
         n, T, _ = self.hidden.shape
         c = self.config
         sliding = c.is_sliding(layer)
         rope, window = (self.local_rope, c.sliding_window) if sliding else (self.global_rope, None)
         outputs = []
-        for x in self.hidden.split(batch):
-            # a cache of the rows at hand: the last part of the samples may be fewer than batch
+        for x in self.hidden.split(8):
+            # a cache of the rows at hand: the last part of the samples may be fewer than 8
             block.attention.kv_cache = KVCache(x.shape[0], T, c.n_local_heads, c.head_dim, torch.float32)
             input_pos = torch.arange(T).expand(x.shape[0], T)  # also the position in each cache slot
             outputs.append(block(x, input_pos, rope[input_pos], attention_mask(input_pos, input_pos, window)))
@@ -557,8 +560,7 @@ def python_docs_text(part: str) -> str:
     from pydoc_data.topics import topics
 
     names, halves = sorted(topics), ("calibration", "held-out")
-    if part not in halves:
-        raise ValueError(f"part must be one of {halves}, not {part!r}")
+    assert part in halves, part
     half = names[: len(names) // 2] if part == "calibration" else names[len(names) // 2:]
     return "\n\n".join(topics[name] for name in half)
 
@@ -604,7 +606,7 @@ def import_gguf_int4(checkpoint_path: Path, output: Path):
         if name == "output.weight":  # our checkpoint keeps a tied head as the embedding table only
             stored = "tok_embeddings.weight" if config.tie_embeddings else name
             read = lambda: source.get_tensor(stored)  # noqa: E731
-            groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int4"}))
+            groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int8"}))
         elif name in linears:
             base, (n, k) = name.removesuffix(".weight"), tensor.shape
             specs = [(f"{base}.weight", torch.uint8, (n, k // 2)), (f"{base}.scales", torch.float16, (n, k // 32)),

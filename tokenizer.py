@@ -1,6 +1,6 @@
 """Tokenizers from the Hugging Face files in a checkpoint directory, and chat prompts: rendered from
 the checkpoint's own chat template (Jinja, sandboxed, as transformers renders it), or for checkpoints
-that ship none, in a hand-written Llama 2, Llama 3 or ChatML format told by the vocabulary."""
+that ship none, in a hand-written Llama 3 or ChatML format told by the vocabulary."""
 
 import importlib
 import json

@@ -76,7 +76,7 @@ def check_divisible(config: ModelArgs, world: int, groupsize: int | None = None)
             return True
         hidden = [config.intermediate_size] + [config.moe_intermediate_size] * (config.n_experts > 0)
         ok = config.n_head % w == 0 and config.n_local_heads % w == 0 and all(h % w == 0 for h in hidden)
-        if groupsize:  # int4 row-wise shards must hold whole groups of input columns
+        if groupsize:  # wo's and w2's shards split their input columns: each must hold whole int4 groups
             ok &= all((k // w) % groupsize == 0 for k in [config.n_head * config.head_dim, *hidden])
         return ok
 
@@ -93,7 +93,7 @@ def local_config(config: ModelArgs, world: int) -> ModelArgs:
     """The shape of one rank's slice: a model with 1/world of the heads and of the MLP."""
     moe = config.moe_intermediate_size
     return dataclasses.replace(config, n_head=config.n_head // world, n_local_heads=config.n_local_heads // world,
-                               intermediate_size=config.intermediate_size // world, head_dim=config.head_dim,
+                               intermediate_size=config.intermediate_size // world,
                                moe_intermediate_size=moe // world if moe else None)
 
 
