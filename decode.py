@@ -76,18 +76,31 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, states: boo
     forward = getattr(prefill_chunk, "__wrapped__", prefill_chunk) if T == 1 else prefill_chunk
     logits, hidden = None, []
     for start, end in chunk_bounds(T, model.chunk):
-        # each row's logits come from the chunk that holds its last position
-        in_chunk_last = (last - start).clamp(0, end - start - 1)
+        in_chunk_last, mine = rows_ending_in(last, start, end)
         # copies with strides of their own (a slice keeps the whole row's), so that compiled prefill
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
         ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
         chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, key_positions(model, end))
-        mine = ((last >= start) & (last < end)).view(-1, 1, 1)
         logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
         if states:
             hidden.append(chunk_states)
     return (logits, torch.cat(hidden, dim=1)) if states else logits
+
+
+def rows_ending_in(last: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """For a chunk of positions start..end - 1 and each row's last position last (B,): the index of
+    that position in the chunk, clamped into it (B,), and whether the chunk holds it (B, 1, 1), as the
+    row's output is kept from the chunk that holds its last position."""
+    return (last - start).clamp(0, end - start - 1), ((last >= start) & (last < end)).view(-1, 1, 1)
+
+
+def right_padded(prompts: list[Tensor], width: int, device) -> Tensor:
+    """The prompts as the rows of one (B, width) tensor, each from position 0, zeros after it."""
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p.to(device)
+    return tokens
 
 
 def chunk_bounds(T: int, chunk: int) -> list[tuple[int, int]]:

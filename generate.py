@@ -166,10 +166,7 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     # Right-pad and prefill from position 0: each row's cache then holds exactly its own prompt; the
     # padding's cache entries lie beyond the row's position and are overwritten as it decodes
     # (decode.prompt_positions).
-    idx = torch.zeros(B, T, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        idx[i, : len(p)] = p.to(device)
-    next_token = decode.prefill(model, idx, lengths, **sampling).clone()
+    next_token = decode.prefill(model, decode.right_padded(prompts, T, device), lengths, **sampling).clone()
     new_tokens = [next_token]
     input_pos = lengths.unsqueeze(1)  # (B, 1)
     stops = torch.tensor(stop_ids or [], device=device)
@@ -384,8 +381,8 @@ def check_run_args(args, device: str, world_size: int):
 
 def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str,
                  world_size: int = 1) -> speculative.Drafter | None:
-    """The drafter of --draft / --draft_checkpoint_path, or None. A draft model is replicated on
-    every rank under torchrun (it is small)."""
+    """The drafter of --draft, --draft_checkpoint_path or --draft_head, or None. Under torchrun every
+    rank holds all of a draft model or head (replicated, not sharded)."""
     alternatives = args.draft_alternatives
     if args.draft_checkpoint_path:
         return speculative.DraftModel(load_model(args.draft_checkpoint_path, device, args.precision), alternatives)
@@ -430,6 +427,11 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
     if not 1 <= context <= model.config.block_size:
         raise UserError(f"--context must be between 1 and the model's context length {model.config.block_size}, "
                         f"got {context}")
+    # the cache holds the whole context from the first turn (as generate() pads it, and keeps a larger
+    # cache), so that compiled decoding never recompiles for a longer dialog; a step reads only the
+    # dialog's slots (decode.key_positions)
+    model.setup_caches(1, decode.padded_length(context, model.config.block_size), options["prefill_chunk"],
+                       options["kv_cache_dtype"])
     messages = []
     while True:
         try:
@@ -454,11 +456,6 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
             raise UserError(f"this message takes {len(prompt)} positions in the chat template, which leaves no "
                             f"room for an answer in --context {context}: raise --context or write less")
         prompt = torch.tensor(prompt, dtype=torch.long)
-        # the cache holds the whole context from the first turn (as generate() pads it), so that
-        # compiled decoding never recompiles for a longer one; a step reads only the dialog's slots
-        # (decode.key_positions)
-        model.setup_caches(1, decode.padded_length(context, model.config.block_size), options["prefill_chunk"],
-                           options["kv_cache_dtype"])
         answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
 
@@ -559,7 +556,8 @@ def parse_args(argv=None):
                f"each answer: leave out {', '.join(ignored)}")
     if args.compile_prefill and not args.compile:
         refuse("--compile_prefill goes with --compile")
-    drafters = (args.draft_checkpoint_path, args.draft_head or args.draft == "head", args.draft not in (None, "head"))
+    head = args.draft_head or args.draft == "head"
+    drafters = (args.draft_checkpoint_path, head, args.draft not in (None, "head"))
     if sum(map(bool, drafters)) > 1:
         refuse("--draft, --draft_checkpoint_path and --draft_head name different drafters: choose one")
     if args.speculate_k is not None and not any(drafters):
@@ -570,7 +568,7 @@ def parse_args(argv=None):
     args.speculate_k = speculative.SPECULATE_K if args.speculate_k is None else args.speculate_k
     if args.draft_alternatives < 0:
         refuse("--draft_alternatives must be 0 or more")
-    if args.draft_alternatives and not (args.draft_checkpoint_path or drafters[1] or args.draft == "self-int4"):
+    if args.draft_alternatives and not (args.draft_checkpoint_path or head or args.draft == "self-int4"):
         refuse("--draft_alternatives goes with a drafter that ranks tokens: --draft_checkpoint_path, --draft self-int4 "
                 "or --draft head")
     return args

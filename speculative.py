@@ -45,7 +45,7 @@ class Drafter:
     alternatives = 0  # other tokens offered at each depth, besides the draft (tree drafting)
 
     def start(self, target: Transformer, tokens: Tensor, prompt_lengths: Tensor, cache_length: int,
-              states: Tensor | None = None, **sampling):
+              states: Tensor | None = None):
         """Called once per generate() call, after the target's prefill: tokens hold the prompts, and the
         first new token after each; states (B, T, dim), if read, the target's last layer at each prompt
         position."""
@@ -74,7 +74,7 @@ class DraftModel(Drafter):
     def __init__(self, model: Transformer, alternatives: int = 0):
         self.model, self.alternatives = model, alternatives
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
@@ -83,7 +83,7 @@ class DraftModel(Drafter):
         if not self.shares_caches:
             self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
             T = int(prompt_lengths.max())
-            decode.prefill(self.model, tokens[:, :T], prompt_lengths, **sampling)
+            decode.prefill_logits(self.model, tokens[:, :T], prompt_lengths)  # fills its caches
 
     def propose(self, tokens, lengths, k, **sampling):
         """The first step feeds the text's last token, and with caches of its own the one before too:
@@ -99,12 +99,8 @@ class DraftModel(Drafter):
         drafts, probs = [], []
         for _ in range(k):
             logits = draft_step(self.model, x, pos.clamp(max=self.last_position), keys)  # (B, V)
-            if sampling["temperature"] == 0:
-                x = logits.argmax(-1, keepdim=True)
-            else:
-                q = decode.logits_to_probs(logits, **sampling)
-                x = decode.sample_from(q)
-                probs.append(q)
+            x, q = draft_token(logits, sampling)
+            probs += [] if q is None else [q]
             drafts.append(with_alternatives(x, logits, self.alternatives))
             pos = pos[:, -1:] + 1
         return torch.stack(drafts, dim=1).squeeze(-1), torch.stack(probs, dim=1) if probs else None  # (B, k[, 1 + m])
@@ -113,17 +109,17 @@ class DraftModel(Drafter):
 class PromptLookup(Drafter):
     """Drafts from the text itself (no model): the tokens that followed the latest earlier occurrence
     of the last n-gram. On text that does not repeat itself it must cost next to nothing, so it lets
-    the target take plain steps for a while when it finds nothing (1, 2, ... up to 8 steps, as the
-    misses run on: a search costs ~3% of a plain step on a 2-core CPU) and when no row keeps two
-    drafts (one, when k is 1) of a proposal (2, 8, 32, then every 64 steps: a rejected verify step
-    costs more than a plain one). It asks for them k + 1 at a time: a round's bookkeeping costs the
-    loop about as much as a search."""
+    the target take plain steps for a while when it finds nothing (a search has its cost) and when no
+    row keeps two drafts (one, when k is 1) of a proposal (a rejected verify step costs more than a
+    plain one). It asks for them k + 1 at a time: a round's bookkeeping costs the loop about as much
+    as a search."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
-        self.backoff = self.skip = 0  # plain steps to take before drafting again
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
+        self.skip = 0  # plain steps to take before drafting again
+        self.backoff = 0  # the pause after a proposal no row kept: 2, 8, 32, then 64 steps
         self.misses = 0  # searches in a row that found nothing
 
     def propose(self, tokens, lengths, k, **sampling):
@@ -223,7 +219,7 @@ class HeadDrafter(Drafter):
     def __init__(self, head: DraftHead, alternatives: int = 0):
         self.head, self.alternatives = head, alternatives
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None, **sampling):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
         if self.head.config.dim != target.config.dim or int(self.head.vocab.max()) >= target.config.vocab_size:
             raise UserError("the draft head does not fit the target (its width or vocabulary differs): train one "
                             "for it with scripts/train_draft_head.py")
@@ -235,10 +231,9 @@ class HeadDrafter(Drafter):
         positions = torch.arange(1, T + 1, device=tokens.device).expand(B, -1)
         for start in range(0, T, self.head.chunk):
             end = min(start + self.head.chunk, T)
-            last = (prompt_lengths - 1 - start).clamp(0, end - start - 1)
+            last, mine = decode.rows_ending_in(prompt_lengths - 1, start, end)
             logits, state = self.head(target, tokens[:, start + 1: end + 1], states[:, start:end],  # eager: any length
                                       positions[:, start:end], decode.key_positions(self.head, end + 1), last)
-            mine = ((prompt_lengths - 1 >= start) & (prompt_lengths - 1 < end)).view(-1, 1, 1)
             self.next = (logits, state) if start == 0 else tuple(torch.where(mine, new, old) for new, old in
                                                                  zip((logits, state), self.next))
         self.verified = None
@@ -259,11 +254,8 @@ class HeadDrafter(Drafter):
             if i > 0:
                 pos = (lengths + i - 1)[:, None].clamp(max=self.last_position)
                 logits, state = head_step(self.head, self.target, drafts[-1][:, :1], state, pos, keys)
-            if sampling["temperature"] == 0:
-                choice = logits[:, -1].argmax(-1, keepdim=True)
-            else:
-                q = decode.logits_to_probs(logits[:, -1], **sampling)  # (B, N)
-                choice = decode.sample_from(q)
+            choice, q = draft_token(logits[:, -1], sampling)  # q (B, N): over the head's vocabulary
+            if q is not None:
                 probs.append(torch.zeros(q.shape[0], self.target.config.vocab_size, device=q.device)
                              .scatter_(1, self.head.vocab.expand(q.shape[0], -1), q))
             drafts.append(self.head.vocab[with_alternatives(choice, logits[:, -1], self.alternatives)])
@@ -278,6 +270,15 @@ def head_step(head: DraftHead, target: Transformer, tokens: Tensor, states: Tens
               last: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """DraftHead.forward, as a function compile_steps() compiles."""
     return head(target, tokens, states, pos, keys, last)
+
+
+def draft_token(logits: Tensor, sampling: dict) -> tuple[Tensor, Tensor | None]:
+    """A drafter's token from its logits (B, V): the argmax (B, 1) when greedy, with no probabilities;
+    else sampled, with the probabilities it was drawn from (B, V)."""
+    if sampling["temperature"] == 0:
+        return logits.argmax(-1, keepdim=True), None
+    q = decode.logits_to_probs(logits, **sampling)
+    return decode.sample_from(q), q
 
 
 def with_alternatives(choice: Tensor, scores: Tensor, m: int) -> Tensor:
@@ -298,7 +299,8 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                          stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
                          kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
-    receives "accepted_counts" (how many verify steps, over all rows, found 0, 1, ..., k drafts right),
+    receives "accepted_counts" (how many verify steps, over all rows, found 0, 1, ..., k drafts right;
+    an alternative kept counts as the draft it replaced),
     "verify_tokens" (the tokens those steps added to the text: fewer where a round passes
     max_new_tokens), "plain_steps" (steps taken without a proposal) and, with alternatives,
     "alternatives_kept"."""
@@ -311,8 +313,6 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     B = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(prompt_lengths.max())
-    # the plain cache, and room for a tree's alternatives: a verify step's slots past it are clamped to
-    # its last, since they only ever hold drafts beyond the requested length
     room = k * drafter.alternatives
     if room and model.config.sliding_window:
         raise UserError("drafting with alternatives (a tree) needs full caches, and this model has sliding-window "
@@ -321,18 +321,18 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         raise UserError(f"drafting with alternatives (a tree) needs {room} positions of room past the prompt and "
                         f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens, "
                         "speculate_k or the alternatives")
-    cache_length = decode.padded_length(T + max_new_tokens + room, model.config.block_size)
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
+    # the plain cache, and room for a tree's alternatives: a verify step's slots past it are clamped to
+    # its last, since they only ever hold drafts beyond the requested length
+    cache_length = decode.padded_length(T + max_new_tokens + room, model.config.block_size)
     model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
     cpu_decode.pack(model)  # a CPU bf16 target's verify steps read oneDNN's copy of its weights
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     # tokens: every row's text so far, right-padded, with room for a round's k + 1 tokens past the
     # cache; lengths: how much of each row is text
-    tokens = torch.zeros(B, cache_length + k + 1, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p.to(device)
+    tokens = decode.right_padded(prompts, cache_length + k + 1, device)
     if drafter.reads_states:
         logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths, states=True)
     else:
@@ -340,7 +340,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     cur = decode.sample(logits[:, 0], **sampling)  # (B, 1)
     rows = torch.arange(B, device=device)
     tokens[rows, prompt_lengths] = cur[:, 0]
-    drafter.start(model, tokens, prompt_lengths, cache_length, states, **sampling)
+    drafter.start(model, tokens, prompt_lengths, cache_length, states)
     lengths = prompt_lengths + 1  # cur is text, not yet in the target's cache
     limit = prompt_lengths + max_new_tokens
     stops = torch.tensor(stop_ids or [], device=device)
@@ -390,8 +390,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
         lengths = torch.minimum(lengths + n + 1, limit)
         done |= lengths == limit
 
-    if stats is not None:  # verify rounds in which 0, 1, ..., k drafts were accepted (an alternative counts as
-        # its draft) and the tokens they wrote; steps without drafts; with alternatives, the rounds that kept one
+    if stats is not None:
         stats.update(accepted_counts=accepted_counts.tolist(), verify_tokens=int(verify_tokens),
                      plain_steps=plain_step_count)
         if room:
@@ -568,14 +567,10 @@ def compile_steps():
         for step in (draft_step, head_step, target_step))
 
 
-def accepted_drafts(stats: dict) -> int:
-    """Drafted tokens kept, over all verify steps."""
-    return sum(i * c for i, c in enumerate(stats["accepted_counts"]))
-
-
 def acceptance_rate(stats: dict, k: int) -> float:
-    """The share of drafted tokens kept, over all verify steps."""
-    return accepted_drafts(stats) / max(1, sum(stats["accepted_counts"]) * k)
+    """The share of drafted tokens the target agreed with, over all verify steps."""
+    counts = stats["accepted_counts"]
+    return sum(i * c for i, c in enumerate(counts)) / max(1, sum(counts) * k)
 
 
 def format_stats(stats: dict, k: int) -> str:
