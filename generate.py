@@ -399,9 +399,8 @@ def load_drafter(args, checkpoint_path: Path, model: Transformer, device: str,
     if args.draft == "prompt-lookup":
         return speculative.PromptLookup()
     if args.draft == "head" or args.draft_head:
-        head = speculative.load_head(args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME, model)
-        cpu_decode.apply(head)  # as load_model does for a model
-        return speculative.HeadDrafter(head, alternatives)
+        return speculative.head_drafter(args.draft_head or checkpoint_path.parent / speculative.HEAD_NAME, model,
+                                        alternatives)
     return None
 
 

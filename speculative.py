@@ -185,6 +185,13 @@ def save_head(head: DraftHead, path: Path, target: ModelArgs):
     write_safetensors(path, tensors, metadata, desc="writing the draft head")
 
 
+def head_drafter(path: Path, target: Transformer, alternatives: int = 0) -> "HeadDrafter":
+    """The head at path drafting for target, its products in the forms the target's device decodes best."""
+    head = load_head(path, target)
+    cpu_decode.apply(head)  # as generate.load_model does for a model
+    return HeadDrafter(head, alternatives)
+
+
 def load_head(path: Path, target: Transformer) -> DraftHead:
     """The head at path, in the target's dtype on its device; one line saying what to run when it is
     missing or belongs to another model."""

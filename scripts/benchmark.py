@@ -345,6 +345,7 @@ def hf_rows(ladder: Ladder, model: Transformer):
 def speculative_rows(ladder: Ladder, model: Transformer):
     """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
     args = ladder.args
+    speculative.compile_steps()
     for name, kw in drafters(args, model).items():
         stats, rung = {}, f"ours {args.precision} compiled + {name}"
         first_run_s = timed(lambda: gen.generate(model, ladder.prompt, args.max_new_tokens, stats=stats,
@@ -357,8 +358,8 @@ def speculative_rows(ladder: Ladder, model: Transformer):
 
 def drafters(args, target: Transformer) -> dict:
     """generate()'s speculative arguments for each drafter: prompt lookup, the draft head trained for
-    the target (--draft_head, or the one beside its checkpoint), and --draft_checkpoint_path's model,
-    compiled; with --draft_alternatives, each model drafter also drafting as a tree."""
+    the target (--draft_head, or the one beside its checkpoint), and --draft_checkpoint_path's model;
+    with --draft_alternatives, each model drafter also drafting as a tree."""
     found = {"prompt lookup": dict(drafter=speculative.PromptLookup())}
 
     def model_drafter(name: str, make):  # make(m): the drafter with m alternatives; with --draft_alternatives, both
@@ -368,14 +369,11 @@ def drafters(args, target: Transformer) -> dict:
 
     head = args.draft_head or gen.find_checkpoint(args.checkpoint_path).parent / speculative.HEAD_NAME
     if args.draft_head or head.is_file():  # scripts/train_draft_head.py writes it there
-        draft_head = speculative.load_head(head, target)
-        cpu_decode.apply(draft_head)
-        model_drafter("draft head", lambda m: speculative.HeadDrafter(draft_head, m))
+        model_drafter("draft head", lambda m: speculative.head_drafter(head, target, m))
     if args.draft_checkpoint_path:
         draft_model = gen.load_model(args.draft_checkpoint_path, args.device, args.precision)
         name = Path(args.draft_checkpoint_path).stem.removeprefix("fastllama_")
         model_drafter(f"draft {name}", lambda m: speculative.DraftModel(draft_model, m))
-    speculative.compile_steps()
     return found
 
 
@@ -402,8 +400,7 @@ def int4_groupsize(args, quantized: str) -> int | None:
     """The int4 group size of one of --quantized (in memory: --groupsize; a checkpoint: its scheme's)."""
     if quantized in ("int8", "int4"):
         return args.groupsize if quantized == "int4" else None
-    scheme = quantize.read_scheme(read_metadata(quantized)) or {}
-    return scheme.get("groupsize") if scheme.get("mode") == "int4" else None
+    return quantize.int4_groupsize(quantize.read_scheme(read_metadata(quantized)))
 
 
 def check_splits(config: ModelArgs, world: int, groupsizes: set):
@@ -504,9 +501,11 @@ def speculative_main(args):
     decode.compile_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
+    speculative.compile_steps()
     drafts = drafters(args, model)
     rows = [] if args.no_verify_cost else [verify_cost(name, m, args) for name, m in [
-        (args.precision, model), *((q, quantized_copy(model, model.config, q, 32)) for q in ("int8", "int4"))]]
+        (args.precision, model), ("int8", quantized_copy(model, model.config, "int8", args.groupsize)),
+        (f"int4 g{args.groupsize}", quantized_copy(model, model.config, "int4", args.groupsize))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
           f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
@@ -733,14 +732,17 @@ if __name__ == "__main__":
     p.add_argument("--limit", type=float, default=None, help="with --harness: examples of the task")
     p.add_argument("--num_fewshot", type=int, default=None, help="with --harness: examples before each question")
     p.add_argument("--speculative", action="store_true",
-                   help="instead: plain decoding against prompt lookup (and --draft_checkpoint_path) on real prompts")
+                   help="instead: the verify steps' cost against plain steps (bf16, int8, int4), then plain "
+                        "decoding against each drafter (prompt lookup, the draft head, --draft_checkpoint_path) "
+                        "on real prompts")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")
     p.add_argument("--draft_head", type=Path, default=None,
                    help=f"a draft head for the speculative rungs (default: {speculative.HEAD_NAME} beside the "
                         f"checkpoint, if there is one)")
     p.add_argument("--speculate_k", type=int, default=5)
     p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
-                   help="with --speculative: also each model drafter with M alternatives at each depth (a tree)")
+                   help="also each model drafter with M alternatives at each depth (a tree), in the speculative "
+                        "rungs and --speculative")
     p.add_argument("--no-verify-cost", action="store_true",
                    help="with --speculative: skip the verify steps' cost against plain steps (on an H200, compiling "
                         "them filled a call's 380 s before the drafters)")

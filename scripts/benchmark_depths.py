@@ -48,8 +48,8 @@ def depths_main(args):
     shallow = next((d for d in depths if d > 0), 0)
     bandwidth = copy_bandwidth_gbs(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
-          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after a "
-          f"random prompt of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
+          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after "
+          f"{'random cache contents' if args.no_prefill else 'a random prompt'} of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
           f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
     print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
           + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
@@ -79,12 +79,13 @@ def depths_main(args):
             rows.append(row)
     if args.llama_bench:
         tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
-        pp = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]
         row = dict(weights=f"llama.cpp {tg[0]['model_type']}", kv_cache=tg[0].get("type_k", "f16"),
-                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, prefill_tok_s=pp["avg_ts"],
-                   build=tg[0]["build_commit"])
+                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, build=tg[0]["build_commit"])
+        if not args.no_prefill:
+            row["prefill_tok_s"] = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]["avg_ts"]
         print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
-              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths) + f" {pp['avg_ts']:13.1f}")
+              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths)
+              + ("" if args.no_prefill else f" {row['prefill_tok_s']:13.1f}"))
         rows.append(row)
     if args.json:
         write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
@@ -113,8 +114,8 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
     first_s = time.perf_counter() - start
     ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
     # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
-    first = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
-    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({first} "
+    what = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
+    print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({what} "
           f"{first_s:.1f} s, compiling included)", flush=True)
     return ms
 
@@ -188,5 +189,5 @@ if __name__ == "__main__":
     args = p.parse_args()
     check_model_arguments(args)
     if min(args.depths) < 0 or max(args.depths) == 0:
-        refuse("--depths takes context depths, each 0 or more, the deepest above 0 (its prefill is measured too)")
+        refuse("--depths takes context depths, each 0 or more, the deepest above 0")
     run_cli(depths_main, args)

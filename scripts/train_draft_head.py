@@ -15,10 +15,9 @@ The default text is the documentation every Python ships (pydoc's topics and the
 docstrings), and about --own_answers tokens of the target's own chats: prompts made from that text
 (explain or summarize a paragraph, a story or a poem about one of its words), answers sampled. The
 head drafts the target's answers, which read unlike documentation, so it learns from them too
-(self-distillation, as Medusa-2 does): on the bundled model, 50k tokens of them took its agreement
-with the target on new chats from 18% to 27% for the same training (benchmarks/RESULTS.md, "The draft
-head on the target's own chats"). The head computes in bf16 when the target does, its weights and
-optimizer in fp32. Training stops at --epochs or --minutes, whichever comes first, and the learning
+(self-distillation, as Medusa-2 does; what that gained: benchmarks/RESULTS.md, "The draft head on the
+target's own chats"). The head computes in bf16 when the target does (but on a CPU without fast bf16
+matmuls), its weights and optimizer in fp32. Training stops at --epochs or --minutes, whichever comes first, and the learning
 rate falls to zero by then. The head is saved beside the checkpoint as draft_head.safetensors, with
 its config and the target's shape in its metadata.
 """
@@ -244,6 +243,9 @@ def train(args) -> list[float]:
     if agreement:
         print(f"held-out: the head's top token is the target's {torch.stack(agreement).mean():.1%} of the time "
               f"(one step ahead, over its vocabulary)", file=sys.stderr)
+    else:
+        print(f"held-out: not measured ({len(windows) - train_rows} windows held out, fewer than --batch_size {B})",
+              file=sys.stderr)
     output = args.output or gen.find_checkpoint(args.checkpoint_path).parent / HEAD_NAME
     save_head(head.to(target.tok_embeddings.weight.dtype), output, target.config)
     print(f"wrote {output}", file=sys.stderr)
@@ -260,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=512, help="tokens the target reads at once")
     p.add_argument("--max_windows", type=int, default=None, help="use at most this many windows: the text's last")
     p.add_argument("--own_answers", type=int, default=50000, metavar="N",
-                   help="train on about N tokens of the target's own answers too (written first; 0: none)")
+                   help="train on about N tokens of the target's own answers too (written before training, placed last; 0: none)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--minutes", type=float, default=14, help="stop training after this long")

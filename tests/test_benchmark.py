@@ -165,7 +165,7 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     costs = [row for row in rows if "verify_cost" in row]
-    assert [row["verify_cost"] for row in costs] == ["bf16", "int8", "int4"] and all(row["ratio"] > 0 for row in costs)
+    assert [row["verify_cost"] for row in costs] == ["bf16", "int8", "int4 g32"] and all(row["ratio"] > 0 for row in costs)
     lookup = [row for row in rows if row.get("drafter") == "prompt lookup"]
     assert [row["prompt"] for row in lookup] == ["open-ended", "extract", "code-edit"]
     # past the prefill is a difference of timings: on a loaded machine it can come out at or below 0
