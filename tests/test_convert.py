@@ -74,7 +74,6 @@ def test_unsupported_architecture_is_refused(family, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [model_name]
     message = assert_refused(tmp_path / "hf", expected)
-    assert expected in message
     assert "supported" in message and all(a in message for a in SUPPORTED.values())
 
 

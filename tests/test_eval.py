@@ -126,7 +126,7 @@ def test_compiled_scoring_is_one_graph_for_every_batch(sliding_window, monkeypat
     assert len(graphs) == (2 if sliding_window else 1)
     assert len(batches) > 2 and min(len(batch) for batch in batches) < 3
     eager = ev.HarnessModel(model, SimpleNamespace(bos_id=0, eos_id=1), "tiny", batch_size=3)
-    for (logprob, greedy), (expected, expected_greedy) in zip(scores, eager.score(pairs)):
+    for (logprob, greedy), (expected, expected_greedy) in zip(scores, eager.score(pairs), strict=True):
         assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-5) and greedy == expected_greedy
 
 
@@ -141,7 +141,7 @@ def test_ragged_requests_of_a_sliding_window_model_score_as_each_alone():
     ids = torch.randint(2, 64, (320,)).tolist()
     pairs = [(ids[:300], ids[300:304]), (ids[:10], ids[10:14])]
     batched = harness.score(pairs)
-    for pair, (logprob, _) in zip(pairs, batched):
+    for pair, (logprob, _) in zip(pairs, batched, strict=True):
         assert harness.score([pair])[0][0] == pytest.approx(logprob, rel=1e-5, abs=1e-5)
 
 
@@ -161,7 +161,7 @@ def test_choices_of_a_sliding_window_model_share_a_row_within_the_window():
     assert [len(members) for _, members in harness.rows({tuple(question): choices})] == [3]  # 12 positions
     assert [len(members) for _, members in harness.rows({tuple(ids[:12]): choices})] == [2, 1]  # 16, then 14
     scored = harness.score(pairs)
-    for (context, continuation), (logprob, _) in zip(pairs, scored):
+    for (context, continuation), (logprob, _) in zip(pairs, scored, strict=True):
         tokens = torch.tensor([context + continuation])
         model.setup_caches(1, tokens.shape[1])
         logits = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1))[0].float().log_softmax(-1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint import CHECKPOINT_NAME, single, write_atomically, write_safetensors
+from checkpoint import CHECKPOINT_NAME, read_metadata, single, write_atomically, write_safetensors
 from convert import convert_hf_checkpoint
 from errors import UserError
 from generate import generate, get_tokenizer, load_model
@@ -242,7 +242,8 @@ def test_safetensors_writer_round_trip(tmp_path):
     entries = [single(k, v.dtype, v.shape, lambda v=v: v) for k, v in tensors.items()]
     write_safetensors(tmp_path / "x.safetensors", entries, {"note": "hi"})
     loaded = load_file(tmp_path / "x.safetensors")
-    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert read_metadata(tmp_path / "x.safetensors")["note"] == "hi"
 
 
 @torch.no_grad()

@@ -148,7 +148,6 @@ def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tenso
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
     m.pack(kernel)
-    assert m.kernel == kernel
     for M in (1, 3):
         x = torch.randn(1, M, k).bfloat16()
         with torch.no_grad():
@@ -161,6 +160,7 @@ def test_int4_kernel_choice_packs_any_out_features():
     """The CPU kernel wants n % 16 == 0; other shapes fall back to the dequantizing path."""
     n, k, g = 200, 128, 32
     m, w_ref = int4_module(n, k, g)
+    assert quantize.int4_kernel(torch.device("cpu"), n) == "dequantize"
     m.pack(quantize.int4_kernel(torch.device("cpu"), n))
     x = torch.randn(2, k).bfloat16()
     assert rel_err(m(x), F.linear(x.float(), w_ref)) <= BF16_RTOL

@@ -83,7 +83,7 @@ def test_speculative_sampling_is_seeded_and_decodes_every_token_asked_for(model_
         runs.append([o.tolist() for o in generate(model_fp32, prompts[:3], 20, temperature=0.9, top_k=100, top_p=0.95,
                                                   drafter=DraftModel(int4_draft), speculate_k=4)])
     assert runs[0] == runs[1]
-    assert all(len(o) == len(p) + 20 for o, p in zip(runs[0], prompts))
+    assert all(len(o) == len(p) + 20 for o, p in zip(runs[0], prompts[:3], strict=True))
 
 
 def test_streamed_tokens_are_the_output(model_fp32, bundled_checkpoint, int4_draft):

@@ -140,7 +140,7 @@ def test_sentencepiece(tmp_path, sentencepiece_model):
     assert tok.encode_prompt("Hi") == [1] + tok.encode("Hi")
     with pytest.raises(UserError, match="no chat format"):
         tok.encode_prompt("Hi", chat=True)
-    with pytest.raises(UserError, match="chat"):
+    with pytest.raises(UserError, match="a system prompt needs chat mode"):
         tok.encode_prompt("Hi", system="Be brief")
 
 

@@ -66,15 +66,15 @@ def test_the_command_line_under_torchrun(bundled_checkpoint, tmp_path):
                    f"{common} --temperature 0.8 --top_k 50", f"{common} --temperature 0.8 --draft self-int4",
                    f"{common} --temperature 0 --draft self-int4")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stderr.count("quantizing the target to int4 for drafting") == 1  # one rank, once
     ranks = [torch.load(tmp_path / f"out.pt.{rank}") for rank in range(3)]
-    as_lists = [[[o.tolist() for o in outputs] for outputs in rank] for rank in ranks]
+    assert [rank["quantized"] for rank in ranks] == [1, 0, 0]  # one rank, once
+    as_lists = [[[o.tolist() for o in outputs] for outputs in rank["outputs"]] for rank in ranks]
     assert as_lists[1] == as_lists[0] and as_lists[2] == as_lists[0]
     tokenizer = gen.get_tokenizer(checkpoint)
     prompt = torch.tensor(tokenizer.encode_prompt("Tell me a story", chat=True))
     single = gen.generate(gen.load_model(checkpoint, "cpu", "fp32"), prompt, 12, temperature=0,
                           stop_ids=tokenizer.stop_ids)
-    assert ranks[0][2][0].tolist() == single.tolist()  # greedy fp32: sharded and speculative, the same tokens
+    assert ranks[0]["outputs"][2][0].tolist() == single.tolist()  # greedy fp32: sharded and speculative, the same tokens
     assert (checkpoint / "fastllama_int4.g32.safetensors").is_file() and not list(checkpoint.glob("*.partial"))
 
 

@@ -3,7 +3,7 @@
 greedy tokens and prefill logits of each checkpoint, sharded;
     torchrun --nproc_per_node=N tests/tp_worker.py --cli OUT.pt "GENERATE.PY ARGS" ["GENERATE.PY ARGS" ...]
 each rank runs generate.py's command line (the same start-up as the CLI's) with each set of arguments
-and saves what it generated to OUT.pt.RANK;
+and saves what it generated, and how many checkpoints it quantized, to OUT.pt.RANK;
     torchrun --nproc_per_node=N tests/tp_worker.py --ids OUT.pt CHECKPOINT [...]
 prefill logits and greedy tokens of checkpoints without a tokenizer (tests/test_families.py), from
 random token ids, through sliding-window rings that wrap."""
@@ -14,6 +14,7 @@ import sys
 import torch
 
 import generate as gen
+import quantize
 import tp
 from generate import generate, get_tokenizer, load_model
 
@@ -52,7 +53,10 @@ if __name__ == "__main__" and sys.argv[1] in ("--cli", "--ids"):
     rank, world_size = tp.maybe_init_distributed()
     out, args = sys.argv[2], sys.argv[3:]
     if sys.argv[1] == "--cli":
-        torch.save([gen.run(gen.parse_args(shlex.split(argv)), rank, world_size) for argv in args], f"{out}.{rank}")
+        quantized, quantize_once = [], quantize.quantize
+        quantize.quantize = lambda *a, **kw: quantized.append(a) or quantize_once(*a, **kw)
+        outputs = [gen.run(gen.parse_args(shlex.split(argv)), rank, world_size) for argv in args]
+        torch.save({"outputs": outputs, "quantized": len(quantized)}, f"{out}.{rank}")
     elif rank == 0:
         torch.save({path: run_ids_case(path, rank, world_size) for path in args}, out)
     else:
