@@ -534,7 +534,7 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(self.mean_square(xf) + self.eps)
         return (normed * (self.offset + self.weight.float())).type_as(x)
 
-    def mean_square(self, xf: Tensor) -> Tensor:  # tp.ShardedRMSNorm's: over a vector split across ranks
+    def mean_square(self, xf: Tensor) -> Tensor:  # tp.ShardedRMSNorm overrides it: the vector is split across ranks
         return xf.pow(2).mean(-1, keepdim=True)
 
 

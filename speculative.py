@@ -307,10 +307,9 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                          kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
     receives "accepted_counts" (how many verify steps, over all rows, found 0, 1, ..., k drafts right;
-    an alternative kept counts as the draft it replaced),
-    "verify_tokens" (the tokens those steps added to the text: fewer where a round passes
-    max_new_tokens), "plain_steps" (steps taken without a proposal) and, with alternatives,
-    "alternatives_kept"."""
+    an alternative kept counts as the draft it replaced), "verify_tokens" (the tokens those steps added
+    to the text: fewer where a round passes max_new_tokens), "plain_steps" (steps taken without a
+    proposal) and, with alternatives, "alternatives_kept" (the rounds that kept one)."""
     if not isinstance(drafter, Drafter):
         raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
                         f"not {drafter!r}")
