@@ -49,8 +49,9 @@ def depths_main(args):
     bandwidth = copy_bandwidth_gbs(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
           f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after "
-          f"{'random cache contents' if args.no_prefill else 'a random prompt'} of each depth, in a cache of {deepest_cache} positions; MBU: weight and KV bytes "
-          f"a step reads over the measured copy bandwidth, {bandwidth:.0f} GB/s")
+          f"{'random cache contents' if args.no_prefill else 'a random prompt'} of each depth, in a cache of "
+          f"{deepest_cache} positions; MBU: weight and KV bytes a step reads over the measured copy bandwidth, "
+          f"{bandwidth:.0f} GB/s")
     print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
           + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
     rows = []

@@ -17,8 +17,8 @@ docstrings), and about --own_answers tokens of the target's own chats: prompts m
 head drafts the target's answers, which read unlike documentation, so it learns from them too
 (self-distillation, as Medusa-2 does; what that gained: benchmarks/RESULTS.md, "The draft head on the
 target's own chats"). The head computes in bf16 when the target does (but on a CPU without fast bf16
-matmuls), its weights and optimizer in fp32. Training stops at --epochs or --minutes, whichever comes first, and the learning
-rate falls to zero by then. The head is saved beside the checkpoint as draft_head.safetensors, with
+matmuls), its weights and optimizer in fp32. Training stops at --epochs or --minutes, whichever comes
+first, and the learning rate falls to zero by then. The head is saved beside the checkpoint as draft_head.safetensors, with
 its config and the target's shape in its metadata.
 """
 
