@@ -191,6 +191,15 @@ COMPANIONS = (CONFIG_NAME, "tokenizer.json", "tokenizer.model", "tokenizer_confi
               "generation_config.json", "chat_template.jinja")
 
 
+def resolve_output(output: Path, default_name: str) -> Path:
+    """An --output that may name a folder (the file then goes in it as default_name), refused before any
+    work where its folder is not there."""
+    output = Path(output) / default_name if Path(output).is_dir() else Path(output)
+    if not output.parent.is_dir():
+        raise UserError(f"--output {output}: its folder does not exist")
+    return output
+
+
 def copy_companions(checkpoint_path: Path, directory: Path):
     """Give weights written from checkpoint_path into another directory copies of the COMPANIONS
     beside them, where directory has none of that name."""

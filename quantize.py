@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import (Group, copy_companions, load_config, read_metadata, resolve_checkpoint, single,
+from checkpoint import (Group, copy_companions, load_config, read_metadata, resolve_checkpoint, resolve_output, single,
                         write_safetensors)
 from cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from errors import UserError, run_cli
@@ -345,11 +345,9 @@ def output_file(output: Path | None, checkpoint_path: Path, mode: str, groupsize
     default = output_path(checkpoint_path, mode, groupsize)
     if output is None:
         return default
-    output = Path(output) / default.name if Path(output).is_dir() else Path(output)
+    output = resolve_output(output, default.name)
     if output.resolve() == checkpoint_path.resolve():
         raise UserError(f"--output {output} is the checkpoint being quantized: name another file")
-    if not output.parent.is_dir():
-        raise UserError(f"--output {output}: its folder does not exist")
     return output
 
 

@@ -775,7 +775,7 @@ if __name__ == "__main__":
         refuse("--dense-twin goes with a mixture-of-experts --model")
     if args.checkpoint_path and not (args.speculative or args.harness):  # the ladder quantizes from bf16 weights
         try:
-            quantized = read_metadata(gen.find_checkpoint(args.checkpoint_path)).get("quantization")
+            quantized = quantize.read_scheme(read_metadata(gen.find_checkpoint(args.checkpoint_path)))
         except UserError as e:
             refuse(str(e))
         if quantized:

@@ -36,6 +36,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cpu_decode  # noqa: E402
+from checkpoint import resolve_output  # noqa: E402
 import generate as gen  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
 from model import Transformer, softcap  # noqa: E402
@@ -279,10 +280,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse("--window must be at least 2 (a window's first token predicts the next)")
     if args.minutes <= 0 or args.own_answers < 0:
         refuse("--minutes must be more than 0, and --own_answers 0 or more")
-    if args.output and args.output.is_dir():
-        args.output = args.output / HEAD_NAME
-    if args.output and not args.output.parent.is_dir():  # found now, not after the training
-        refuse(f"--output {args.output}: its folder does not exist")
+    if args.output:  # a folder that is not there found now, not after the training
+        try:
+            args.output = resolve_output(args.output, HEAD_NAME)
+        except UserError as e:
+            refuse(str(e))
     if args.max_windows is not None and args.max_windows - held_out(args.max_windows) < args.batch_size:
         refuse(f"--max_windows {args.max_windows} leaves fewer than --batch_size {args.batch_size} windows to train "
                f"on after {held_out(args.max_windows)} held out")
