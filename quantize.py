@@ -36,6 +36,11 @@ from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
 
+try:  # Triton's products for a few rows on a GPU; PyTorch's CUDA wheels bring Triton, its CPU wheels do not
+    import kernels
+except ImportError:
+    kernels = None
+
 GROUPSIZES = (32, 64, 128, 256)
 MODES = ("int8", "int4", "int4-gptq", "int4-gguf")
 
@@ -93,7 +98,8 @@ class Int8Linear(nn.Module):
     PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum that compiled code
     fuses (cpu_decode.py), and for many rows (prefill), where the kernel is slower, a matmul of the
     weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in);
-    elsewhere, the dequantized matmul, which compiled code fuses into one pass over the int8 weight."""
+    on a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized
+    matmul."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -101,7 +107,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cpu", "cpu-fused" or "dequantize" once packed
+        self.kernel = None  # "cpu", "cpu-fused", "triton" or "dequantize" once packed
 
     def pack(self, kernel: str):
         self.kernel = kernel
@@ -114,7 +120,10 @@ class Int8Linear(nn.Module):
         elif self.kernel.startswith("cpu") and rows <= 16:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        elif self.kernel == "dequantize":  # compiled code fuses the conversion into the one pass over int8
+        elif self.kernel == "triton" and rows <= kernels.ROWS:
+            y = kernels.int8_rows(x.reshape(rows, self.in_features), self.weight, self.scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif self.kernel in ("dequantize", "triton"):
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         else:
             y = linear_in(matmul_dtype(x), x, self.weight) * self.scales
@@ -134,11 +143,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cuda", "cpu", or "dequantize" once packed
+        self.kernel = None  # "triton", "cuda", "cpu", or "dequantize" once packed
 
     def pack(self, kernel: str):
-        """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
-        for "dequantize" the bf16 weight."""
+        """Turn the neutral layout into `kernel`'s: kernels.py's bytes (scales and mins kept), tinygemm's
+        packed weight and scales_and_zeros, or for "dequantize" the bf16 weight."""
+        if kernel == "triton":
+            self.weight = kernels.int4_layout(self.weight, self.groupsize)
+            self.kernel = kernel
+            return
         if kernel == "dequantize":
             self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins).bfloat16())
             del self.weight
@@ -154,7 +167,12 @@ class Int4Linear(nn.Module):
         x = x.reshape(-1, shape[-1])
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if self.kernel == "dequantize":
+        if self.kernel == "triton" and x.shape[0] <= kernels.ROWS:
+            y = kernels.int4_rows(x, self.weight, self.scales, self.mins, self.groupsize)
+        elif self.kernel == "triton":  # prefill: compiled, the conversion is one pass writing the bf16 weight
+            w = kernels.int4_dequantize(self.weight, self.scales, self.mins, self.groupsize)
+            y = F.linear(x.to(w.dtype), w)
+        elif self.kernel == "dequantize":
             y = F.linear(x.bfloat16(), self.weight_bf16)
         else:
             y = int4_matmul(self.kernel, x, self.weight, self.groupsize, self.scales_and_zeros)
@@ -256,15 +274,20 @@ class Int4ExpertLinears(ExpertLinears):
 def int8_kernel(device: torch.device) -> str:
     """How int8 runs here. On CPU, compiled code's fused multiply-and-sum pays only with AVX-512, whose
     masked loads take the int8 weight a part-vector at a time; with AVX2 inductor copies each 8 bytes
-    through memory first, and PyTorch's int8 kernel decodes 5x faster (benchmarks/RESULTS.md, "CPUs
-    without AVX-512")."""
+    through memory first, and PyTorch's int8 kernel is faster (benchmarks/RESULTS.md, "CPUs without
+    AVX-512"). On a GPU, kernels.py's, where Triton is."""
+    if device.type == "cuda" and kernels:
+        return "triton"
     if device.type != "cpu":
         return "dequantize"
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
 
 
-def int4_kernel(device: torch.device, out_features: int) -> str:
-    """Which int4 kernel this device and shape can use; "dequantize" where none can."""
+def int4_kernel(device: torch.device, out_features: int, experts: bool = False) -> str:
+    """Which int4 kernel this device and shape can use; "dequantize" where none can. A MoE layer's
+    stacked experts take tinygemm's on a GPU (Int4ExpertLinears indexes its packed weights)."""
+    if device.type == "cuda" and not experts and kernels:
+        return "triton"
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0
         return "cuda" if ok else "dequantize"
@@ -315,7 +338,7 @@ def pack_for_device(model: Transformer):
             m.pack(int8_kernel(m.weight.device))
         elif isinstance(m, (Int4Linear, Int4ExpertLinears)) and m.kernel is None:
             progress.update()
-            kernel = int4_kernel(m.weight.device, m.out_features)
+            kernel = int4_kernel(m.weight.device, m.out_features, isinstance(m, Int4ExpertLinears))
             m.pack(kernel)
             if kernel == "dequantize":
                 fallbacks.append(name)

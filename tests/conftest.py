@@ -1,12 +1,16 @@
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import convert
-from convert import BUNDLED_GGUF, DEFAULT_CHECKPOINT, bundled_gguf
-from generate import load_model
+if not torch.cuda.is_available():  # kernels.py's Triton kernels then run on CPU tensors, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import convert  # noqa: E402
+from convert import BUNDLED_GGUF, DEFAULT_CHECKPOINT, bundled_gguf  # noqa: E402
+from generate import load_model  # noqa: E402
 
 
 def bundled_model_missing() -> str | None:
