@@ -7,6 +7,7 @@ compile time and peak memory.
     python scripts/benchmark.py --hf-compile --quantized checkpoints/X/fastllama_int8.safetensors checkpoints/X/fastllama_int4.g32.safetensors
     python scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --hf-compile --quantized int8 int4 --json out.json
     python scripts/benchmark.py --llama-bench PATH/llama-bench    # llama.cpp on the bundled GGUF, in the same table
+    python scripts/benchmark.py --model Llama-3.1-8B --random-weights --gpt-fast PATH   # gpt-fast's code beside ours
     python scripts/benchmark.py --speculative [--draft_checkpoint_path DRAFT]   # instead: drafters on three prompts
     python scripts/plot_ladder.py out.json ladder.png
 
@@ -37,10 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # peers.py beside this file, when the tests load it
 
 import cpu_decode  # noqa: E402
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
+import peers  # noqa: E402
 import quantize  # noqa: E402
 import speculative  # noqa: E402
 import tp  # noqa: E402
@@ -58,16 +61,12 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def decode_speed(run, n_new: int, runs: int, device: str) -> dict:
-    """Median ms per decoded token, from run(n_new) - run(1) so prefill does not count; tok/s of the
-    whole run(n_new) as a user sees it; ms to the first token (run(1): prefill and sampling); and the
-    seconds of the first run(n_new), compilation included, which the medians leave out."""
-    first_run_s = timed(lambda: run(n_new), device)
-    run(1)
-    full = statistics.median(timed(lambda: run(n_new), device) for _ in range(runs))
-    to_first_token = statistics.median(timed(lambda: run(1), device) for _ in range(runs))
-    return dict(ms_per_token=(full - to_first_token) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full,
-                ttft_ms=to_first_token * 1e3, first_run_s=first_run_s)
+def decode_speed(full: list[float], first: list[float], n_new: int) -> dict:
+    """From the seconds of runs of n_new tokens and of 1 (prefill and sampling): median ms per decoded token,
+    (full - first) / (n_new - 1), so prefill does not count; tok/s of the whole run as a user sees it; and ms
+    to the first token."""
+    full, first = statistics.median(full), statistics.median(first)
+    return dict(ms_per_token=(full - first) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full, ttft_ms=first * 1e3)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
@@ -247,14 +246,31 @@ def ladder_prompt(args) -> tuple[Tensor, str]:
 
 
 class Ladder:
-    """The table: name -> decode_speed()'s figures, weight bytes read a step, the model's memory, a note."""
+    """The table: name -> decode_speed()'s figures, the seconds of the rung's first run (compiling included),
+    weight bytes read a step, the model's memory, a note."""
 
     def __init__(self, args, prompt: Tensor):
-        self.args, self.prompt, self.rows = args, prompt, {}
+        self.args, self.prompt, self.rows, self.runs = args, prompt, {}, {}
 
     def add(self, name: str, run, weight_bytes: int | None, note: str = ""):
-        speed = decode_speed(run, self.args.max_new_tokens, self.args.runs, self.args.device)
-        self.rows[name] = dict(speed, weight_bytes=weight_bytes, note=note)
+        """A rung, run(n) decoding n tokens: its first run now (where it compiles), its timed runs in measure()."""
+        args = self.args
+        first_run_s = timed(lambda: run(args.max_new_tokens), args.device)
+        run(1)
+        self.runs[name] = run
+        self.rows[name] = dict(first_run_s=first_run_s, weight_bytes=weight_bytes, note=note)
+        print(f"{name}: first run {first_run_s:.1f} s", flush=True)
+
+    def measure(self):
+        """Every rung's timed runs, a round at a time with each rung once a round, so that a drift in the
+        machine's speed (clocks, heat, another process) falls on all of them alike."""
+        args, times = self.args, {name: ([], []) for name in self.runs}
+        for _ in range(args.runs):
+            for name, run in self.runs.items():
+                times[name][0].append(timed(lambda: run(args.max_new_tokens), args.device))
+                times[name][1].append(timed(lambda: run(1), args.device))
+        for name, (full, first) in times.items():
+            self.rows[name].update(decode_speed(full, first, args.max_new_tokens))
 
     def ours(self, name: str, model: Transformer, note: str = "", **kw):
         """generate() greedy on the ladder's prompt; kw: speculative arguments."""
@@ -264,13 +280,14 @@ class Ladder:
         self.rows[name]["memory_gb"] = resident_bytes(model) / 1e9
 
     def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1, config=None):
-        """Our compiled rungs: the model, then each quantized one (config: the model's whole shape)."""
+        """Our compiled rungs: the model, then each quantized one unless --skip quantized (config: the model's
+        whole shape)."""
         args = self.args
         decode.compile_steps()
         self.ours(f"ours {args.precision} compiled{suffix}", model)
-        for name, quantized in quantized_models(args, model, rank, world, config):
-            self.ours(f"ours {name} compiled{suffix}", quantized)
-            del quantized
+        if "quantized" not in args.skip:
+            for name, quantized in quantized_models(args, model, rank, world, config):
+                self.ours(f"ours {name} compiled{suffix}", quantized)
 
 
 @torch.no_grad()
@@ -280,6 +297,8 @@ def main(args):
     torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
     prompt, prompt_name = ladder_prompt(args)
     model = load(args)
+    # loaded before any of ours compiles, so that what its import sets is seen against torch's own settings
+    gf = peers.load_gpt_fast(args.gpt_fast) if args.gpt_fast else None
     groupsizes = {None} | {int4_groupsize(args, q) for q in args.quantized}
     if args.tp is None:  # every GPU of the machine, where the model and its int4 copies split so many ways
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
@@ -299,14 +318,17 @@ def main(args):
         hf_rows(ladder, model)
     if args.llama_bench:
         rows["llama.cpp (llama-bench) on the GGUF"] = llama_bench(args, len(prompt))
-    ladder.ours(f"ours {args.precision} eager", model)
+    if "eager" not in args.skip:
+        ladder.ours(f"ours {args.precision} eager", model)
     ladder.compiled(model)
+    peer = gpt_fast_rows(ladder, model, gf) if gf else None
     if args.dense_twin:
         twin = dense_twin(model.config, args)
         ladder.compiled(twin, " (dense twin)", config=twin.config)
         del twin
     if not args.model and not args.no_speculative:  # acceptance needs real weights
         speculative_rows(ladder, model)
+    ladder.measure()
     for world in args.tp:
         rows.update(tp_rows(args, world))
 
@@ -317,9 +339,13 @@ def main(args):
           f"median of {args.runs}; measured copy bandwidth {bandwidth:.1f} GB/s (MBU = weight GB/s / that); "
           f"peak memory {peak:.2f} GB")
     print_table(rows, bandwidth, floor)
+    if peer:
+        print(f"gpt-fast: {peer['path']}; its rows compiled with what its generate.py sets at import "
+              f"{peer['compile_settings']}; its code changed for PyTorch {torch.__version__}:"
+              + "".join(f"\n  - {change}" for change in peer["changes"]))
     if args.json:
         write_record(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
-                   peak_memory_gb=peak, rows=rows)
+                   peak_memory_gb=peak, rows=rows, gpt_fast=peer)
 
 
 def hf_rows(ladder: Ladder, model: Transformer):
@@ -340,6 +366,23 @@ def hf_rows(ladder: Ladder, model: Transformer):
         ladder.add(f"HF {args.precision} static cache + compile",
                    lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
                    gen.weight_bytes_per_token(model))
+
+
+def gpt_fast_rows(ladder: Ladder, model: Transformer, gf: peers.GptFast) -> dict:
+    """gpt-fast's own code on the same weights (scripts/peers.py), compiled as its main() compiles: the model,
+    then each of --quantized int8 / int4 quantized by its own handlers. Returns what peers.describe says of it."""
+    args = ladder.args
+    length = len(ladder.prompt) + args.max_new_tokens
+    makers = {args.precision: lambda: peers.gpt_fast_model(gf, model, length)}
+    for q in [q for q in args.quantized if q in ("int8", "int4")]:  # not checkpoints: it quantizes its own
+        name = f"int4 g{args.groupsize}" if q == "int4" else q
+        makers[name] = lambda q=q: peers.gpt_fast_quantized(gf, model, q, args.groupsize, length)
+    for name, make in makers.items():
+        theirs = make()
+        ladder.add(f"gpt-fast {name} compiled", peers.runner(gf, theirs, ladder.prompt),
+                   peers.weight_bytes_per_token(theirs))
+        ladder.rows[f"gpt-fast {name} compiled"]["memory_gb"] = resident_bytes(theirs) / 1e9
+    return peers.describe(gf)
 
 
 def speculative_rows(ladder: Ladder, model: Transformer):
@@ -436,6 +479,7 @@ def tp_worker(args):
     torch.manual_seed(0)  # the same random weights and prompt on every rank
     ladder = Ladder(args, ladder_prompt(args)[0])
     ladder.compiled(load(args, rank, world), f", TP {world}", rank, world)
+    ladder.measure()
     for row in ladder.rows.values():
         row["note"] = "GB/s, MBU and memory: rank 0's slice"
     if rank == 0:
@@ -718,6 +762,12 @@ if __name__ == "__main__":
     p.add_argument("--hf-compile", action="store_true",
                    help="also HF with its static cache and a compiled forward (compiling takes minutes on CPU)")
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative rungs")
+    p.add_argument("--skip", nargs="+", choices=["eager", "quantized"], default=[],
+                   help="leave out our eager rung (minutes for an 8B on a GPU) or our quantized ones (--quantized "
+                        "then quantizes only for --gpt-fast's rungs)")
+    p.add_argument("--gpt-fast", default=None, metavar="PATH",
+                   help="a gpt-fast checkout: its compiled decoding on the same weights, and its own int8 / int4 of "
+                        "--quantized int8 int4 (int4 on CUDA), beside ours (scripts/peers.py)")
     p.add_argument("--tp", nargs="*", type=int, default=None, metavar="N",
                    help="also run the compiled rungs sharded N ways under torchrun (default: every GPU, when "
                         "there are several and the model splits so many ways; on CPU, gloo: for correctness, "
@@ -781,5 +831,14 @@ if __name__ == "__main__":
         if quantized:
             refuse(f"{args.checkpoint_path} is quantized: the ladder starts from the unquantized checkpoint; give that "
                    f"as --checkpoint_path and this one as --quantized {args.checkpoint_path}")
+    if args.gpt_fast and (args.speculative or args.harness):
+        refuse("--gpt-fast adds rungs to the ladder, not to --speculative or --harness")
+    if args.gpt_fast:  # the checkout, and whether it can run this model, before minutes of measuring
+        try:
+            peers.gpt_fast_args(peers.load_gpt_fast(args.gpt_fast), full_config(args))
+            if "int4" in args.quantized:
+                peers.check_int4(args.device)
+        except UserError as e:
+            refuse(str(e))
     modes = dict(speculative=speculative_main, harness=harness_main)
     run_cli(next((mode for flag, mode in modes.items() if getattr(args, flag)), main), args)

@@ -187,6 +187,8 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     ("benchmark.py", ["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
     ("benchmark.py", ["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
     ("benchmark.py", ["--no-hf", "--no-verify-cost"], "--no-verify-cost belongs to --speculative"),
+    # our own checkout: a model.py with Transformer and transformer_configs, but no gpt-fast generate.py
+    ("benchmark.py", ["--no-hf", "--gpt-fast", "."], "is not a gpt-fast checkout: its generate.py has no"),
     ("benchmark.py", ["--harness", "--tp", "2"], "--tp shards the ladder's rungs"),
 ])
 def test_bad_setups_are_one_line_before_measuring(tmp_path, script, argv, message):
