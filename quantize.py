@@ -36,7 +36,7 @@ from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
 from tokenizer import load_tokenizer
 
-try:  # Triton's products for a few rows on a GPU; PyTorch's CUDA wheels bring Triton, its CPU wheels do not
+try:  # Triton's int8 products of a few rows on a GPU; PyTorch's CUDA wheels bring Triton, its CPU wheels do not
     import kernels
 except ImportError:
     kernels = None
@@ -143,15 +143,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "triton", "cuda", "cpu", or "dequantize" once packed
+        self.kernel = None  # "cuda", "cpu", or "dequantize" once packed
 
     def pack(self, kernel: str):
-        """Turn the neutral layout into `kernel`'s: kernels.py's bytes (scales and mins kept), tinygemm's
-        packed weight and scales_and_zeros, or for "dequantize" the bf16 weight."""
-        if kernel == "triton":
-            self.weight = kernels.int4_layout(self.weight, self.groupsize)
-            self.kernel = kernel
-            return
+        """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
+        for "dequantize" the bf16 weight."""
         if kernel == "dequantize":
             self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins).bfloat16())
             del self.weight
@@ -167,12 +163,7 @@ class Int4Linear(nn.Module):
         x = x.reshape(-1, shape[-1])
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if self.kernel == "triton" and x.shape[0] <= kernels.ROWS:
-            y = kernels.int4_rows(x, self.weight, self.scales, self.mins, self.groupsize)
-        elif self.kernel == "triton":  # prefill: compiled, the conversion is one pass writing the bf16 weight
-            w = kernels.int4_dequantize(self.weight, self.scales, self.mins, self.groupsize)
-            y = F.linear(x.to(w.dtype), w)
-        elif self.kernel == "dequantize":
+        if self.kernel == "dequantize":
             y = F.linear(x.bfloat16(), self.weight_bf16)
         else:
             y = int4_matmul(self.kernel, x, self.weight, self.groupsize, self.scales_and_zeros)
@@ -283,11 +274,8 @@ def int8_kernel(device: torch.device) -> str:
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
 
 
-def int4_kernel(device: torch.device, out_features: int, experts: bool = False) -> str:
-    """Which int4 kernel this device and shape can use; "dequantize" where none can. A MoE layer's
-    stacked experts take tinygemm's on a GPU (Int4ExpertLinears indexes its packed weights)."""
-    if device.type == "cuda" and not experts and kernels:
-        return "triton"
+def int4_kernel(device: torch.device, out_features: int) -> str:
+    """Which int4 kernel this device and shape can use; "dequantize" where none can."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0
         return "cuda" if ok else "dequantize"
@@ -338,7 +326,7 @@ def pack_for_device(model: Transformer):
             m.pack(int8_kernel(m.weight.device))
         elif isinstance(m, (Int4Linear, Int4ExpertLinears)) and m.kernel is None:
             progress.update()
-            kernel = int4_kernel(m.weight.device, m.out_features, isinstance(m, Int4ExpertLinears))
+            kernel = int4_kernel(m.weight.device, m.out_features)
             m.pack(kernel)
             if kernel == "dequantize":
                 fallbacks.append(name)
