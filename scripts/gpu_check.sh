@@ -8,8 +8,8 @@
 #                                      then cuBLAS against inductor's Triton templates, which may fuse the int8
 #                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
 #                                      took about 55 s each on an H100, autotuned ones not yet timed)
-#   bash scripts/gpu_check.sh weights  kernels.py's int8 and int4 products against cuBLAS (bf16) and tinygemm
-#                                      (int4) at Llama-3.1-8B's shapes, 1 and 6 rows, each checked first
+#   bash scripts/gpu_check.sh weights  kernels.py's int8 products against cuBLAS (bf16) and tinygemm (int4)
+#                                      at Llama-3.1-8B's shapes, 1 and 6 rows, each checked first
 #                                      (benchmarks/results/gpu-weight-only-kernels.py; no torch.compile: about a
 #                                      minute, most of it Triton compiling and autotuning)
 #   bash scripts/gpu_check.sh peers LIMIT ours|gpt-fast   the ladder at Llama-3.1-8B's shape (random weights,
