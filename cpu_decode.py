@@ -27,6 +27,8 @@ Only the products change: the attention math around them (scale, mask, softmax, 
 model.py's own, so compiled decoding computes what eager decoding computes.
 """
 
+import types
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,6 +36,33 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from model import Attention, ExpertLinears, Transformer
+
+# ---------------------------------------------------------------------------------------------
+# How many rows (or keys) make a CPU product or attention take which form: every such count, here
+
+# A compiled linear of at most this many rows reads its weight once for all of them (few_rows_product):
+# a verify step of k <= 8 drafts.
+FEW_ROWS = 9
+# ... of which at most this many keep that loop though a packed copy of the weight is there (FewRowLinear):
+# faster at one row, and at two, where oneDNN's product costs about what it costs at six
+# (benchmarks/RESULTS.md, "Packed weights for verify steps", "The draft head on the target's own chats").
+LOOP_ROWS = 2
+# From this many rows a bf16 product runs in fp32 on a CPU without native bf16 matmuls (matmul_dtype):
+# where fp32 overtakes bf16 (benchmarks/RESULTS.md, "CPUs without AVX-512").
+MANY_ROWS = 16
+# A compiled attention product of at most this many rows a key/value head (its query heads, times a
+# verify step's positions) is written out, reading each key once for all of them (attention_path).
+ATTENTION_ROWS = 16
+# An eager forward over at most this many keys writes its attention out: there the fused kernel's cost is
+# mostly its fixed cost a call (benchmarks/RESULTS.md, "Scoring: short attention written out"): eval.py's
+# scoring of short rows. A generation reads whole blocks of decode.KV_BLOCK keys.
+SHORT_ATTENTION_KEYS = 128
+# Forwards of at most this many positions, known when compiling (verify steps, draft trees, short eager
+# prompts), give the fused kernel each key/value head's query heads as one head's rows (Attention.path);
+# longer ones (prefill's chunks) gained nothing so (benchmarks/RESULTS.md, "Verify steps: a key/value
+# head's query heads as one head's rows"), and a guard on compiled prefill's symbolic length would split
+# its one graph.
+FOLDED_ATTENTION_POSITIONS = 16
 
 
 def one_row_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -52,11 +81,6 @@ def in_fp32_buffer(x: Tensor) -> Tensor:
     return x.as_strided(x.shape, x.stride())
 
 
-# rows up to which a compiled linear reads its weight once for all rows (a verify step of k <= 8 drafts)
-FEW_ROWS = 9
-# rows of a compiled attention product that reads each key once for all of them: a decode step's query
-# heads that share a key/value head, or those heads times a verify step's positions (Attention.written_out_rows)
-ATTENTION_ROWS = 16
 
 
 def rows_product(a: Tensor, b: Tensor) -> Tensor:
@@ -75,6 +99,18 @@ def few_rows_product(x: Tensor, weight: Tensor) -> Tensor:
     return rows_product(rows, weight.t()).view(*x.shape[:-1], -1)
 
 
+def attention_path(attention: Attention, T: int, S: int) -> str:
+    """Attention.path on CPU: also written out for an eager forward over few keys and a compiled one of
+    few rows, and folded only for a few positions (the counts above say why)."""
+    group = attention.n_head // attention.n_local_heads
+    compiling = torch.compiler.is_compiling()
+    few_keys = not compiling and S <= SHORT_ATTENTION_KEYS
+    few_rows = compiling and statically_known_true(group * T <= ATTENTION_ROWS)
+    if T == 1 or attention.softcap is not None or few_keys or few_rows:
+        return "written"
+    return "folded" if group > 1 and statically_known_true(T <= FOLDED_ATTENTION_POSITIONS) else "fused"
+
+
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode or
     verify step's m <= ATTENTION_ROWS rows (the query heads that share a key/value head, times the
@@ -87,9 +123,6 @@ def attention_product(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
 
 
-# rows from which a bf16 product runs in fp32 on a CPU without native bf16 matmuls (SLOW_BF16_MATMUL):
-# where fp32 overtook bf16 on SmolLM2's gate/up weight on an AVX2 core (fp32 lost at 6 rows)
-MANY_ROWS = 16
 # oneDNN's own test for a bf16 path (AVX-512 or newer on x86): without it, bf16 matmuls crawl
 SLOW_BF16_MATMUL = torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # a weight of another dtype is converted for a product at most this many elements at a time (16 MB of fp32)
@@ -141,10 +174,6 @@ if PACKABLE:
     _ops.impl("packed_linear", lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
 
 
-# rows up to which compiled code keeps the loop though a packed weight is there: faster at one row, and
-# at two, where oneDNN's product costs about what it costs at six (benchmarks/RESULTS.md, "Packed weights
-# for verify steps" and "The draft head on the target's own chats")
-LOOP_ROWS = 2
 
 
 class FewRowLinear(nn.Linear):
@@ -201,6 +230,6 @@ def apply(model: Transformer):
         if type(module) is nn.Linear:
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
-            module.matmul, module.written_out_rows = attention_product, ATTENTION_ROWS
+            module.matmul, module.path = attention_product, types.MethodType(attention_path, module)
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -37,8 +37,8 @@ def configs(block_m: int) -> list[triton.Config]:
     """The tiles to try for block_m rows: BLOCK_N outputs by BLOCK_K inputs a program. With DOT off the
     sums are fp32 multiply-adds, their block_m x BLOCK_N x BLOCK_K partial sums kept in registers (about 64
     a thread) and summed over K once, at the end; with DOT on, tensor-core products (tf32) of the rows
-    padded to 16. The ones kept are those that won somewhere on an H100 (the raw record of "A sixth GPU
-    session" has every tile's time)."""
+    padded to 16. Those kept won on some shape (benchmarks/RESULTS.md, "A sixth GPU session": its raw
+    record has every tile's time)."""
     fma = {1: [(16, 512), (8, 1024)], 2: [(16, 256), (8, 512)], 4: [(8, 256), (16, 128)], 8: [(8, 128)]}[block_m]
     return ([triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": False}, num_warps=4, num_stages=1) for n, k in fma]
             + [triton.Config({"BLOCK_N": 32, "BLOCK_K": k, "DOT": True}, num_warps=4, num_stages=s)

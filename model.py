@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from errors import UserError
@@ -25,19 +24,6 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # positions a forward takes at a time: prefill's chunk (decode.prefill_logits), and what a sliding-window
 # layer's ring holds beyond its window (Transformer.setup_caches)
 PREFILL_CHUNK = 256
-
-# forwards of at most this many positions (verify steps, draft trees, short eager prompts) give the fused
-# attention kernel each key/value head's query heads as the rows of one head, so that it reads each key
-# once a group, not once a query head (Attention.attend). On CUDA every forward does: with a mask, flash
-# takes none and the memory-efficient kernel no grouped heads (PyTorch's sdp_utils.cpp), so grouped heads
-# would fall to the math backend, which writes out every score.
-FOLDED_ATTENTION_POSITIONS = 16
-
-# eager forwards on CPU over at most this many keys write their attention out: there the fused kernel's
-# cost is mostly its fixed cost per call (benchmarks/RESULTS.md, "Scoring: short attention written out";
-# near even at 256 keys). That is eval.py's scoring of short rows; a generation reads whole blocks of
-# decode.KV_BLOCK keys, so only a model whose whole context is this short.
-SHORT_ATTENTION_KEYS = 128
 
 
 @dataclass
@@ -96,13 +82,6 @@ class ModelArgs:
             self.moe_layers = list(range(self.n_layer))
         if self.n_experts and self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-
-    @classmethod
-    def from_name(cls, name: str) -> "ModelArgs":
-        """Well-known shapes, for benchmarks with random weights."""
-        if name not in transformer_configs:
-            raise UserError(f"unknown model name {name!r}; known: {', '.join(transformer_configs)}")
-        return cls(**transformer_configs[name])
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and layer in self.sliding_layers
@@ -359,16 +338,9 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
-    # The two products of written-out attention (decode steps, soft-capped scores, few keys or rows).
-    # cpu_decode.py swaps in a form that compiled code fuses into one pass over the cache; everything
-    # around the products (scale, mask, softmax) stays here.
+    # The two products of written-out attention. cpu_decode.py swaps in a form that compiled code fuses into
+    # one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     matmul = staticmethod(torch.matmul)
-    # A compiled forward of a few positions (a verify step) writes its attention out too, rather than
-    # call the fused kernel, while its rows a key/value head (group * T: the query heads that share it,
-    # times the positions) are at most this. cpu_decode.py raises it from 0: its products read each key
-    # once for all those rows, and on CPU the fused kernel's fixed cost is most of a short verify step's
-    # attention.
-    written_out_rows = 0
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -405,25 +377,32 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return norm(x.view(B, T, n_heads if self.qk_norm_per_head else 1, -1)).view(B, T, n_heads, self.head_dim)
 
+    def path(self, T: int, S: int) -> str:
+        """How attention runs for T queries over S keys: "written" out as its two products (a decode step,
+        too little for a fused kernel's launch; soft-capped scores, which no fused kernel takes); "folded",
+        the fused kernel given each key/value head's query heads as the rows of one head (with a mask,
+        PyTorch's flash kernel takes none and its memory-efficient one no grouped heads: sdp_utils.cpp;
+        grouped heads would fall to the math backend, which writes out every score); or "fused".
+        cpu_decode.py gives CPU models the CPU's choice (cpu_decode.attention_path)."""
+        if T == 1 or self.softcap is not None:
+            return "written"
+        return "folded" if self.n_head > self.n_local_heads else "fused"
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each
         key/value head shared by nh / n_kv query heads; mask: (B, 1, T, S), True where a query may look."""
         B, nh, T, hd = q.shape
         # head counts from the module, not from shapes, which compiling with dynamic=True makes symbolic
         n_kv, group, S = self.n_local_heads, self.n_head // self.n_local_heads, k.shape[2]
-        few_keys = q.device.type == "cpu" and not torch.compiler.is_compiling() and S <= SHORT_ATTENTION_KEYS
-        few_rows = torch.compiler.is_compiling() and statically_known_true(group * T <= self.written_out_rows)
-        if T > 1 and self.softcap is None and not few_keys and not few_rows:  # prefill, longer verify steps
-            if 1 < group and (q.is_cuda or statically_known_true(T <= FOLDED_ATTENTION_POSITIONS)):
-                # on CPU only where T is known and short: prefill's chunks gained nothing so
-                # (benchmarks/RESULTS.md, "Verify steps: a key/value head's query heads"), and a guard on
-                # compiled prefill's symbolic T would split its one graph
-                mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
-                folded = self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask, grouped=False)
-                return folded.reshape(B, nh, T, hd)
+        path = self.path(T, S)
+        if path == "fused":
             return self.fused(q, k, v, mask, grouped=group > 1)
-        # written out (decoding, soft-capped scores, few keys or rows on CPU): each k/v head with its group of
-        # query heads as the rows of one product, so that no head's keys are repeated
+        if path == "folded":
+            mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+            folded = self.fused(q.reshape(B, n_kv, group * T, hd), k, v, mask, grouped=False)
+            return folded.reshape(B, nh, T, hd)
+        # written out: each k/v head with its group of query heads as the rows of one product, so that no
+        # head's keys are repeated
         q = q.reshape(B, n_kv, group * T, hd)
         scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)
         scores = scores.view(B, n_kv, group, T, S).masked_fill(~mask.unsqueeze(2), float("-inf"))
@@ -593,86 +572,3 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     cos, sin = rope.unsqueeze(2).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-# ---------------------------------------------------------------------------------------------
-# Well-known shapes, for benchmarks with random weights (ModelArgs.from_name)
-
-_llama31_rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                     original_max_position_embeddings=8192, rope_type="llama3")
-_llama32_rope = dict(_llama31_rope, factor=32.0)
-
-
-def _gemma(n_layer: int, dim: int, local_every: int, **kw) -> dict:
-    """Gemma's shared settings; every local_every-th layer global, the others sliding."""
-    return dict(kw, n_layer=n_layer, dim=dim, head_dim=256, norm_eps=1e-6, norm_offset=1.0, sandwich_norms=True,
-                activation="gelu_tanh", embedding_scale=dim ** 0.5, attention_scale=256 ** -0.5, tie_embeddings=True,
-                sliding_layers=[i for i in range(n_layer) if (i + 1) % local_every])
-
-
-_qwen = dict(rope_base=1e6, norm_eps=1e-6)
-transformer_configs = {
-    "Llama-2-7B": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
-    "Llama-2-13B": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
-    "Llama-2-70B": dict(block_size=4096, n_layer=80, n_head=64, dim=8192, n_local_heads=8, intermediate_size=28672),
-    "CodeLlama-7B": dict(block_size=16384, vocab_size=32016, n_layer=32, n_head=32, dim=4096, rope_base=1e6),
-    "CodeLlama-34B": dict(block_size=16384, n_layer=48, n_head=64, dim=8192, n_local_heads=8,
-                          intermediate_size=22016, rope_base=1e6),
-    "Mistral-7B": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                       intermediate_size=14336, rope_base=1e6),
-    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, dim=2048, n_local_heads=4, intermediate_size=5632),
-    "Llama-3-8B": dict(block_size=8192, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                       intermediate_size=14336, rope_base=500000.0),
-    "Llama-3-70B": dict(block_size=8192, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
-                        intermediate_size=28672, rope_base=500000.0),
-    "Llama-3.1-8B": dict(block_size=131072, vocab_size=128256, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                         intermediate_size=14336, rope_base=500000.0, rope_scaling=_llama31_rope),
-    "Llama-3.1-70B": dict(block_size=131072, vocab_size=128256, n_layer=80, n_head=64, dim=8192, n_local_heads=8,
-                          intermediate_size=28672, rope_base=500000.0, rope_scaling=_llama31_rope),
-    "Llama-3.2-1B": dict(block_size=131072, vocab_size=128256, n_layer=16, n_head=32, dim=2048, n_local_heads=8,
-                         intermediate_size=8192, head_dim=64, rope_base=500000.0, rope_scaling=_llama32_rope,
-                         tie_embeddings=True),
-    "Llama-3.2-3B": dict(block_size=131072, vocab_size=128256, n_layer=28, n_head=24, dim=3072, n_local_heads=8,
-                         intermediate_size=8192, head_dim=128, rope_base=500000.0, rope_scaling=_llama32_rope,
-                         tie_embeddings=True),
-    "SmolLM2-135M": dict(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, dim=576, n_local_heads=3,
-                         intermediate_size=1536, rope_base=100000.0, tie_embeddings=True),
-    "SmolLM2-360M": dict(block_size=8192, vocab_size=49152, n_layer=32, n_head=15, dim=960, n_local_heads=5,
-                         intermediate_size=2560, rope_base=100000.0, tie_embeddings=True),
-    "SmolLM2-1.7B": dict(block_size=8192, vocab_size=49152, n_layer=24, n_head=32, dim=2048, n_local_heads=32,
-                         intermediate_size=8192, rope_base=130000.0, tie_embeddings=True),
-    "Qwen2.5-0.5B": dict(_qwen, block_size=32768, vocab_size=151936, n_layer=24, n_head=14, dim=896, n_local_heads=2,
-                         intermediate_size=4864, qkv_bias=True, tie_embeddings=True),
-    "Qwen2.5-7B": dict(_qwen, block_size=32768, vocab_size=152064, n_layer=28, n_head=28, dim=3584, n_local_heads=4,
-                       intermediate_size=18944, qkv_bias=True),
-    "Qwen3-0.6B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=28, n_head=16, dim=1024, n_local_heads=8,
-                       head_dim=128, intermediate_size=3072, qk_norm=True, tie_embeddings=True),
-    "Qwen3-8B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=36, n_head=32, dim=4096, n_local_heads=8,
-                     head_dim=128, intermediate_size=12288, qk_norm=True),
-    "Mistral-7B-v0.1": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8,
-                            intermediate_size=14336, sliding_window=4096),
-    "Mistral-Nemo-12B": dict(block_size=1024000, vocab_size=131072, n_layer=40, n_head=32, dim=5120, n_local_heads=8,
-                             head_dim=128, intermediate_size=14336, rope_base=1e6),
-    "Gemma-2-2B": _gemma(26, 2304, 2, block_size=8192, vocab_size=256000, n_head=8, n_local_heads=4,
-                         intermediate_size=9216, sliding_window=4096, attention_softcap=50.0, logit_softcap=30.0),
-    "Gemma-2-9B": _gemma(42, 3584, 2, block_size=8192, vocab_size=256000, n_head=16, n_local_heads=8,
-                         intermediate_size=14336, sliding_window=4096, attention_softcap=50.0, logit_softcap=30.0),
-    "Gemma-3-1B": _gemma(26, 1152, 6, block_size=32768, vocab_size=262144, n_head=4, n_local_heads=1,
-                         intermediate_size=6912, sliding_window=512, qk_norm=True, rope_base=1e6,
-                         local_rope_base=10000.0),
-    "Gemma-3-12B": _gemma(48, 3840, 6, block_size=131072, vocab_size=262208, n_head=16, n_local_heads=8,
-                          intermediate_size=15360, sliding_window=1024, qk_norm=True, rope_base=1e6,
-                          local_rope_base=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0)),
-    # mixtures of experts; the last, a small one for benchmarks on a CPU (its dense twin: scripts/benchmark.py)
-    "Mixtral-8x7B": dict(block_size=32768, n_layer=32, n_head=32, dim=4096, n_local_heads=8, rope_base=1e6,
-                         n_experts=8, n_active_experts=2, moe_intermediate_size=14336),
-    "Qwen3-30B-A3B": dict(_qwen, block_size=40960, vocab_size=151936, n_layer=48, n_head=32, dim=2048, n_local_heads=4,
-                          head_dim=128, qk_norm=True, n_experts=128, n_active_experts=8, moe_intermediate_size=768),
-    "OLMoE-1B-7B": dict(block_size=4096, vocab_size=50304, n_layer=16, n_head=16, dim=2048, qk_norm=True,
-                        qk_norm_per_head=False, n_experts=64, n_active_experts=8, moe_intermediate_size=1024,
-                        normalize_expert_weights=False),
-    "MoE-1.3B-A0.4B": dict(block_size=4096, n_layer=24, n_head=16, dim=1024, n_local_heads=4, n_experts=8,
-                           n_active_experts=2, moe_intermediate_size=2048),
-    "Phi-3-mini": dict(block_size=4096, vocab_size=32064, n_layer=32, n_head=32, dim=3072, intermediate_size=8192,
-                       sliding_window=2047),
-}

@@ -47,6 +47,7 @@ import peers  # noqa: E402
 import quantize  # noqa: E402
 import speculative  # noqa: E402
 import tp  # noqa: E402
+from shapes import shape  # noqa: E402
 from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
@@ -163,7 +164,7 @@ def hf_model_from(model: Transformer):
 
 def full_config(args) -> ModelArgs:
     """The whole model's shape (a rank's model holds only its slice)."""
-    return ModelArgs.from_name(args.model) if args.model else load_config(gen.find_checkpoint(args.checkpoint_path))
+    return shape(args.model) if args.model else load_config(gen.find_checkpoint(args.checkpoint_path))
 
 
 def load(args, rank: int = 0, world: int = 1) -> Transformer:
@@ -238,7 +239,7 @@ def ladder_prompt(args) -> tuple[Tensor, str]:
     """Random tokens for random weights; for real weights the extraction prompt below, where
     speculative decoding is meant to pay, so that every rung decodes the same text."""
     if args.model:
-        vocab = ModelArgs.from_name(args.model).vocab_size
+        vocab = shape(args.model).vocab_size
         return torch.randint(0, vocab, (args.prompt_length,), device=args.device), "random tokens"
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
     text = SPECULATIVE_PROMPTS["extract"]
@@ -712,7 +713,7 @@ def model_arguments(description: str) -> argparse.ArgumentParser:
     beside it, where the results go."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", default=None, help="default: the bundled model")
-    p.add_argument("--model", default=None, help="a known shape (model.transformer_configs), with --random-weights")
+    p.add_argument("--model", default=None, help="a known shape (scripts/shapes.py), with --random-weights")
     p.add_argument("--random-weights", action="store_true", help="random weights of --model's shape")
     p.add_argument("--device", default=gen.default_device())
     p.add_argument("--precision", choices=gen.PRECISIONS, default="bf16")
@@ -747,7 +748,7 @@ def check_model_arguments(args):
     try:  # the device and the model's shape, as the run will take them
         gen.check_device(args.device)
         if args.model:
-            ModelArgs.from_name(args.model)  # an unknown name is refused here
+            shape(args.model)  # an unknown name is refused here
     except UserError as e:
         refuse(str(e))
 
@@ -821,7 +822,7 @@ if __name__ == "__main__":
             refuse(f"{path} does not exist")
     if args.speculate_k < 1 or args.draft_alternatives < 0 or args.prompt_length < 1:
         refuse("--speculate_k and --prompt_length must be at least 1, --draft_alternatives 0 or more")
-    if args.dense_twin and not (args.model and ModelArgs.from_name(args.model).n_experts):
+    if args.dense_twin and not (args.model and shape(args.model).n_experts):
         refuse("--dense-twin goes with a mixture-of-experts --model")
     if args.checkpoint_path and not (args.speculative or args.harness):  # the ladder quantizes from bf16 weights
         try:

@@ -8,7 +8,8 @@ from torch._inductor.compile_fx import compile_fx
 import cpu_decode
 import decode
 from errors import UserError
-from model import FOLDED_ATTENTION_POSITIONS, SHORT_ATTENTION_KEYS, Attention, KVCache, ModelArgs, Transformer
+from cpu_decode import FOLDED_ATTENTION_POSITIONS, SHORT_ATTENTION_KEYS
+from model import Attention, KVCache, ModelArgs, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
 
@@ -19,7 +20,7 @@ def filled_model(depths: list[int], **overrides) -> tuple[Transformer, torch.Ten
     model = Transformer(ModelArgs(**CONFIG, **overrides)).eval()
     model.setup_caches(len(depths), 400)
     ids = torch.randint(0, 64, (len(depths), max(depths)))
-    decode.prefill_logits(model, ids, torch.tensor(depths))
+    decode.prefill_logits(model, ids, torch.tensor(depths), decode.EAGER)
     return model, ids
 
 
@@ -32,7 +33,7 @@ def test_reading_the_filled_slots_equals_reading_the_whole_cache(depth, kv_cache
     model, ids = filled_model(depths)
     if kv_cache_dtype is not None:
         model.setup_caches(2, 400, kv_cache_dtype=kv_cache_dtype)
-        decode.prefill_logits(model, ids, torch.tensor(depths))
+        decode.prefill_logits(model, ids, torch.tensor(depths), decode.EAGER)
     x, pos = torch.tensor([[5], [9]]), torch.tensor(depths)[:, None]
     whole = model(x, pos)
     read = []  # the slots each attention call was given
@@ -99,7 +100,7 @@ def test_compiled_verify_attention_is_written_out_up_to_its_rows_and_matches_the
     fused kernel past that: the same attention either way, under a mask of rows at different depths."""
     torch.manual_seed(0)
     attention = Attention(ModelArgs(n_head=8, n_local_heads=2, dim=512, vocab_size=64, n_layer=1))
-    attention.matmul, attention.written_out_rows = cpu_decode.attention_product, cpu_decode.ATTENTION_ROWS
+    cpu_decode.apply(attention)
     fused_calls, fused = [], Attention.fused
     monkeypatch.setattr(Attention, "fused", lambda self, *args, **kw: fused_calls.append(1) or fused(self, *args, **kw))
     q, k, v = torch.randn(2, 8, T, 64), torch.randn(2, 2, 160, 64), torch.randn(2, 2, 160, 64)
@@ -123,6 +124,7 @@ def test_attention_compiled_as_prefill_is_with_symbolic_shapes(n_kv, T):
     folded form, the call that failed there."""
     torch.manual_seed(0)
     attention = Attention(ModelArgs(n_head=8, n_local_heads=n_kv, dim=512, vocab_size=64, n_layer=1))
+    cpu_decode.apply(attention)
     q, k, v = torch.randn(1, 8, T, 64), torch.randn(1, n_kv, 160, 64), torch.randn(1, n_kv, 160, 64)
     mask = (torch.arange(160) <= torch.arange(100, 100 + T)[:, None])[None, None]  # (1, 1, T, S)
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
@@ -145,13 +147,22 @@ def test_an_fp8_cache_without_a_gpu_that_has_it_is_one_line():
 @pytest.mark.parametrize("T", [1, 6, 16, 17, 40])
 @pytest.mark.parametrize("S", [96, 160])  # at most SHORT_ATTENTION_KEYS and more
 @torch.no_grad()
-def test_attention_of_every_form_matches_the_math_backend(n_kv, T, S):
-    """Written out (one row, or few keys), the fused kernel given each key/value head's query heads as
-    one head's rows (verify steps, at most 16 rows) and as grouped heads (longer): the same attention,
-    under a cache mask, as PyTorch's math backend."""
-    assert 96 <= SHORT_ATTENTION_KEYS < 160
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_attention_of_every_form_matches_the_math_backend(n_kv, T, S, on_cpu):
+    """Written out (one row, or few keys on CPU), the fused kernel given each key/value head's query heads as
+    one head's rows (on a GPU always, on CPU for at most 16 positions) and as grouped heads (longer, on CPU):
+    the same attention, under a cache mask, as PyTorch's math backend, with the GPU's choice of form and
+    with the CPU's (cpu_decode.attention_path)."""
+    assert 96 <= SHORT_ATTENTION_KEYS < 160 and FOLDED_ATTENTION_POSITIONS == 16  # the cases straddle them
     torch.manual_seed(0)
     attention = Attention(ModelArgs(n_head=8, n_local_heads=n_kv, dim=512, vocab_size=64, n_layer=1))
+    if on_cpu:
+        cpu_decode.apply(attention)
+    grouped = "folded" if n_kv < 8 else "fused"
+    if T == 1 or (on_cpu and S <= SHORT_ATTENTION_KEYS):
+        assert attention.path(T, S) == "written"
+    else:
+        assert attention.path(T, S) == (grouped if not on_cpu or T <= FOLDED_ATTENTION_POSITIONS else "fused")
     q = torch.randn(2, 8, T, 64)
     k, v = (torch.randn(2, n_kv, S, 64) for _ in range(2))
     positions = torch.tensor([[50], [70]]) + torch.arange(T)  # rows at different depths

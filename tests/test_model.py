@@ -18,7 +18,8 @@ from checkpoint import CHECKPOINT_NAME, read_metadata, single, write_atomically,
 from convert import convert_hf_checkpoint
 from errors import UserError
 from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer, transformer_configs
+from model import ModelArgs, Transformer
+from shapes import SHAPES, shape
 
 transformers = pytest.importorskip("transformers")
 
@@ -223,17 +224,17 @@ def test_config_errors(tmp_path):
     (tmp_path / "hf" / "extra.safetensors").rename(tmp_path / "hf" / "consolidated.safetensors")
     assert convert_hf_checkpoint(tmp_path / "hf").is_file()
     with pytest.raises(UserError, match="unknown model name 'Llama-9B'"):
-        ModelArgs.from_name("Llama-9B")
+        shape("Llama-9B")
 
 
 def test_known_shapes_build():
-    for name in transformer_configs:
+    for name in SHAPES:
         with torch.device("meta"):
-            model = Transformer(ModelArgs.from_name(name))
+            model = Transformer(shape(name))
         args = model.config
         assert args.n_head % args.n_local_heads == 0
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in Transformer(ModelArgs.from_name("Llama-3.1-8B")).parameters())
+        n_params = sum(p.numel() for p in Transformer(shape("Llama-3.1-8B")).parameters())
     assert abs(n_params - 8.03e9) < 0.01e9
 
 

@@ -12,6 +12,7 @@ import generate as gen
 import tp
 from errors import UserError
 from model import ModelArgs
+from shapes import shape
 from tests.tp_worker import CLEAR_MARGIN_PROMPTS, PROMPTS, run_case
 
 # max |diff| / max |logit|: the sharded sums are added in another order; in bf16 (8 bits of mantissa)
@@ -132,7 +133,7 @@ def test_a_gpu_index_under_torchrun_is_refused(monkeypatch):
 
 
 def test_sizes_that_do_not_split_are_refused():
-    config = ModelArgs.from_name("SmolLM2-135M")
+    config = shape("SmolLM2-135M")
     with pytest.raises(UserError, match=r"world sizes that work: \[1, 3\]"):
         tp.check_divisible(config, 2)
     with pytest.raises(UserError, match=r"int4 groups of 256.*world sizes that work: \[1\]"):  # one pads its groups
