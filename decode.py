@@ -1,12 +1,14 @@
 """The steps of decoding, shared by generate.py and speculative.py: from logits to tokens (sampling),
 prefill, the one-token step, and the cache length both size their caches by.
 
-`compile_steps()` replaces the one-token step, and optionally prefill's forward of one chunk, with
-compiled ones; callers reach them as `decode.decode_one_token` and `decode.prefill_chunk` (through
-`decode.prefill_logits`), so that they get whichever is current.
+The forwards decoding runs (the one-token step, prefill's forward of one chunk, and speculative
+decoding's verify, draft-model and draft-head steps) travel together as a `Steps` value that callers
+hold and pass down: `EAGER`, the plain functions here, or `generate.compiled_steps()`. Nothing here
+is ever rebound, so what runs is what the caller passed.
 """
 
-import functools
+import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -58,22 +60,22 @@ def sample_from(probs: Tensor) -> Tensor:
     return (probs / exponential).argmax(-1, keepdim=True)
 
 
-def prefill(model: Transformer, idx: Tensor, lengths: Tensor, **sampling) -> Tensor:
+def prefill(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", **sampling) -> Tensor:
     """idx: (B, T) right-padded prompts of lengths (B,). Fills the cache and returns the first new token
     of each row, (B, 1)."""
-    return sample(prefill_logits(model, idx, lengths)[:, 0], **sampling)
+    return sample(prefill_logits(model, idx, lengths, steps)[:, 0], **sampling)
 
 
-def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, states: bool = False):
-    """Fill the cache with the prompts, `model.chunk` positions a forward, so that activation memory is
-    bounded by the chunk whatever the prompt's length, and compiled prefill sees a few shapes only.
-    Returns the logits of each row's last prompt position, (B, 1, V); with states, also the last
-    layer's output at every position (B, T, dim), for a drafter that reads them. A prompt of one
-    token is run uncompiled: compiled prefill specializes a dimension of size 1, and would compile a
-    graph for that length alone."""
+def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False):
+    """Fill the cache with the prompts, `model.chunk` positions a forward (steps.prefill_chunk), so that
+    activation memory is bounded by the chunk whatever the prompt's length, and compiled prefill sees a
+    few shapes only. Returns the logits of each row's last prompt position, (B, 1, V); with states, also
+    the last layer's output at every position (B, T, dim), for a drafter that reads them. A prompt of
+    one token is run by the plain prefill_chunk whatever steps holds: compiled prefill specializes a
+    dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]
     positions, last = prompt_positions(lengths, T, model.chunk), lengths - 1
-    forward = getattr(prefill_chunk, "__wrapped__", prefill_chunk) if T == 1 else prefill_chunk
+    forward = steps.prefill_chunk if T > 1 else prefill_chunk
     logits, hidden = None, []
     for start, end in chunk_bounds(T, model.chunk):
         in_chunk_last, mine = rows_ending_in(last, start, end)
@@ -139,6 +141,39 @@ def decode_one_token(model: Transformer, cur_token: Tensor, input_pos: Tensor, k
     return sample(logits[:, -1], **sampling)
 
 
+def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, tree: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Speculative decoding's verify step: the target's logits (B, T, V) and last-layer states
+    (B, T, dim) for x (B, T) at pos (B, T)."""
+    states = model.hidden_states(x, pos, keys, tree)
+    return model.logits(states), states
+
+
+def draft_step(draft_model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
+    """x: (B, T) at positions pos (B, T) -> the draft model's logits for the next token (B, V)."""
+    return draft_model(x, pos, key_positions=keys)[:, -1]
+
+
+def head_step(head: Transformer, target: Transformer, tokens: Tensor, states: Tensor, pos: Tensor, keys: Tensor,
+              last: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """speculative.DraftHead's forward, as a function that generate.compiled_steps() compiles."""
+    return head(target, tokens, states, pos, keys, last)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The forwards decoding runs, as one value that generate() and speculative decoding take and pass
+    down: the plain functions above (EAGER), or compiled ones (generate.compiled_steps())."""
+    decode_one_token: Callable = decode_one_token
+    prefill_chunk: Callable = prefill_chunk
+    target_step: Callable = target_step
+    draft_step: Callable = draft_step
+    head_step: Callable = head_step
+
+
+EAGER = Steps()
+
+
 def key_positions(model: Transformer, n: int) -> Tensor:
     """The cache slots a forward reads when all its positions lie below n: the first n slots of the
     full caches, rounded up to a block of KV_BLOCK (at most all of them), as the positions they hold
@@ -148,39 +183,6 @@ def key_positions(model: Transformer, n: int) -> Tensor:
     keys = model.positions[:, : padded_length(n, model.max_seq_length)]
     torch._dynamo.maybe_mark_dynamic(keys, 1)
     return keys
-
-
-def compile_steps(dynamic_prefill: bool = False):
-    """Compile the one-token step (CUDA graphs on GPU) and, optionally, prefill's forward of one chunk
-    for any chunk length. They stay compiled for every model: a step compiled already is left as it is
-    (a compiled function, like the copying wrapper, keeps the one it wraps as __wrapped__)."""
-    global decode_one_token, prefill_chunk
-    # On GPU, inductor turns a one-row matmul into a multiply-and-sum (torch/_inductor/decomposition.py,
-    # mm) only with coordinate-descent tuning on: a matrix-vector kernel that reaches the memory's
-    # bandwidth, and the form into which an int8 weight's conversion fuses, read once as int8 (else
-    # each step would write a bf16 copy of every weight first). Inductor's CPU code ignores both.
-    torch._inductor.config.coordinate_descent_tuning = True
-    torch._inductor.config.triton.unique_kernel_names = True  # a profile names each kernel by what it does
-    torch._inductor.config.fx_graph_cache = True  # a later run reuses this one's compiled graphs
-    # a CUDA graph per count of key blocks read (key_positions) is the design, not a mistake to warn of
-    torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
-    # dynamic=False: a new cache length or batch size compiles anew rather than turning every shape symbolic
-    if not hasattr(decode_one_token, "__wrapped__"):
-        decode_one_token = copied_out(torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
-                                                    dynamic=False))
-    if dynamic_prefill and not hasattr(prefill_chunk, "__wrapped__"):
-        prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
-
-
-def copied_out(step):
-    """step, its outputs copied: a CUDA graph's outputs live in memory that its next replay, or another
-    graph's, may overwrite, and callers keep them past the next call (a clone inside the compiled
-    function would live there too)."""
-    @functools.wraps(step)
-    def copied(*args, **kwargs):
-        out = step(*args, **kwargs)
-        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
-    return copied
 
 
 def padded_length(n: int, context: int) -> int:

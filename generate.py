@@ -6,6 +6,8 @@
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import importlib.util
 import os
 import resource
@@ -60,27 +62,27 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     checkpoint_path = find_checkpoint(checkpoint_path)
     device = device or default_device()
     check_device(device)
-    model, select = empty_model(load_config(checkpoint_path), quantize.read_scheme(read_metadata(checkpoint_path)),
-                                rank, world_size)
+    scheme = quantize.read_scheme(read_metadata(checkpoint_path))
+    model, select = empty_model(load_config(checkpoint_path), scheme, rank, world_size)
     state_dict, _ = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select)
     try:
         fill(model, state_dict)
     except RuntimeError as e:
         raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
                         f"{str(e).splitlines()[1].strip()}")
-    quantize.pack_for_device(model)
+    quantize.pack_for_device(model, scheme)
     cpu_decode.apply(model)
     return model.eval()
 
 
-def empty_model(config: ModelArgs, scheme: dict | None = None, rank: int = 0, world_size: int = 1):
+def empty_model(config: ModelArgs, scheme: quantize.Scheme | None = None, rank: int = 0, world_size: int = 1):
     """The model on the meta device: this rank's slice of it (tp.apply_tp) with `scheme`'s quantized
     modules. Returns it and which rows of each checkpoint tensor the rank reads (None: all)."""
     with torch.device("meta"):
         model = Transformer(config)
         select = None
         if world_size > 1:
-            select = tp.apply_tp(model, rank, world_size, quantize.int4_groupsize(scheme))
+            select = tp.apply_tp(model, rank, world_size, scheme.groupsize if scheme else None)
         if scheme:
             quantize.swap_linears(model, scheme)
     return model, select
@@ -131,11 +133,13 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_ids: list[int] | None = None, callback=None, drafter: speculative.Drafter | None = None,
              speculate_k: int = speculative.SPECULATE_K, stats: dict | None = None,
-             prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
+             prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None,
+             steps: decode.Steps = decode.EAGER) -> Tensor | list[Tensor]:
     """Continue one prompt (a 1-D LongTensor) or a batch of prompts (a list of them, any lengths).
     Returns the prompt followed by its new tokens, for each prompt; a row ends after its first stop
     token. callback, if given, is called after each step with one list of new token ids per row:
-    the row's text, up to and including its stop token, and nothing after it (for streaming).
+    the row's text, up to and including its stop token, and nothing after it (for streaming). steps:
+    the forwards to run, decode.EAGER or compiled_steps().
 
     With a drafter (speculative.DraftModel, PromptLookup, HeadDrafter) it decodes speculatively:
     several tokens a target forward; `stats` then receives the acceptance counts. prefill_chunk: the
@@ -154,7 +158,7 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
         outputs = speculative.speculative_generate(model, prompts, max_new_tokens, drafter, speculate_k=speculate_k,
                                                    stop_ids=stop_ids, callback=callback, stats=stats,
                                                    prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype,
-                                                   **sampling)
+                                                   steps=steps, **sampling)
         return outputs[0] if single else outputs
     device = next(model.parameters()).device
     B = len(prompts)
@@ -166,7 +170,7 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
     # Right-pad and prefill from position 0: each row's cache then holds exactly its own prompt; the
     # padding's cache entries lie beyond the row's position and are overwritten as it decodes
     # (decode.prompt_positions).
-    next_token = decode.prefill(model, decode.right_padded(prompts, T, device), lengths, **sampling).clone()
+    next_token = decode.prefill(model, decode.right_padded(prompts, T, device), lengths, steps, **sampling).clone()
     new_tokens = [next_token]
     input_pos = lengths.unsqueeze(1)  # (B, 1)
     stops = torch.tensor(stop_ids or [], device=device)
@@ -175,7 +179,7 @@ def generate(model: Transformer, prompt_tokens: Tensor | list[Tensor], max_new_t
         decode.stream(callback, next_token, torch.ones_like(done))
     for step in range(1, max_new_tokens):
         keys = decode.key_positions(model, T + step)  # the latest position is T + step - 1
-        next_token = decode.decode_one_token(model, next_token, input_pos, keys, **sampling)
+        next_token = steps.decode_one_token(model, next_token, input_pos, keys, **sampling)
         input_pos = input_pos + 1
         new_tokens.append(next_token)
         if callback:  # streaming looks at the host every step anyway
@@ -212,6 +216,50 @@ def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, conf
         raise UserError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 <= top_p <= 1:
         raise UserError(f"top_p must be in [0, 1], got {top_p}")
+
+
+def compiled_steps(dynamic_prefill: bool = False) -> decode.Steps:
+    """decode's steps compiled: the one-token step and speculative decoding's verify, draft-model and
+    draft-head steps with fixed shapes (CUDA graphs on GPU); prefill's forward of one chunk, with
+    dynamic_prefill, for any chunk length (else eager). Each compiles on its first call, for any model.
+    The same object for the same argument."""
+    return compiled_once(bool(dynamic_prefill))
+
+
+# cached, so that a second rung of a benchmark, or a second test, finds the steps compiled already and
+# their graphs, rather than new functions that compile the same graphs again; behind compiled_steps,
+# as functools.cache keys on the arguments as written (f() apart from f(False))
+@functools.cache
+def compiled_once(dynamic_prefill: bool) -> decode.Steps:
+    if dynamic_prefill:  # the fixed-shape steps are the same objects as without: one set of graphs for both
+        return dataclasses.replace(compiled_once(False), prefill_chunk=torch.compile(
+            decode.prefill_chunk, fullgraph=True, dynamic=True))
+    # On GPU, inductor turns a one-row matmul into a multiply-and-sum (torch/_inductor/decomposition.py,
+    # mm) only with coordinate-descent tuning on: a matrix-vector kernel that reaches the memory's
+    # bandwidth, and the form into which an int8 weight's conversion fuses, read once as int8 (else
+    # each step would write a bf16 copy of every weight first). Inductor's CPU code ignores both.
+    torch._inductor.config.coordinate_descent_tuning = True
+    torch._inductor.config.triton.unique_kernel_names = True  # a profile names each kernel by what it does
+    torch._inductor.config.fx_graph_cache = True  # a later run reuses this one's compiled graphs
+    # a CUDA graph per count of key blocks read (decode.key_positions) is the design, not a mistake to warn of
+    torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
+
+    def fixed(step):  # dynamic=False: a new cache length or batch size compiles anew, no shape turns symbolic
+        return copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
+
+    return decode.Steps(decode_one_token=fixed(decode.decode_one_token), target_step=fixed(decode.target_step),
+                        draft_step=fixed(decode.draft_step), head_step=fixed(decode.head_step))
+
+
+def copied_out(step):
+    """step, its outputs copied: a CUDA graph's outputs live in memory that its next replay, or another
+    graph's, may overwrite, and callers keep them past the next call (a clone inside the compiled
+    function would live there too)."""
+    @functools.wraps(step)
+    def copied(*args, **kwargs):
+        out = step(*args, **kwargs)
+        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
+    return copied
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,14 +324,11 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     drafter = load_drafter(args, checkpoint_path, model, device, world_size)
-    if args.compile:
-        decode.compile_steps(dynamic_prefill=args.compile_prefill)
-        if drafter is not None:
-            speculative.compile_steps()
     # generate()'s settings beyond the prompt, the same for every sample and every turn of a chat
     options = dict(**sampling_options(args, checkpoint_path), drafter=drafter, speculate_k=args.speculate_k,
                    prefill_chunk=args.prefill_chunk,
-                   kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision])
+                   kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision],
+                   steps=compiled_steps(args.compile_prefill) if args.compile else decode.EAGER)
     if args.interactive:
         context = model.config.block_size if args.context is None else args.context
         return chat(model, tokenizer, args.max_new_tokens, options, context)

@@ -7,18 +7,22 @@
 
 Modes: int8 (per output channel, symmetric), int4 (per group of `groupsize` input columns,
 asymmetric, round to nearest) and int4-gptq (the same format, with GPTQ's error-compensating
-rounding, calibrated layer by layer). The output head is int8 in every mode: it is the largest
-single matrix of small models and int4 costs it the most accuracy. Embeddings stay bf16 (a step
-reads one row of them).
+rounding, calibrated layer by layer). The output head is int8 in every mode (HEAD). Embeddings stay
+bf16 (a step reads one row of them).
 
 Layouts in the file are device-neutral: int8 `weight` (n, k) with `scales` (n,); int4 `weight` uint8
 (n, k/2), two 4-bit values a byte, high nibble first, with `scales` and `mins` (n, k/groupsize),
 where w = q * scale + min. `pack_for_device` chooses each module's kernel for its device once, at
 load, and turns int4 into that kernel's layout. The scheme is recorded in the file's safetensors
 metadata, never parsed from its name.
+
+Each mode is one scheme object (Int8, Int4, Int4GPTQ, Int4GGUF) owning its tensors in the file, the
+modules it swaps in and their kernels, what tensor parallelism needs of it and its metadata: a new
+scheme is a class and an entry in SCHEMES.
 """
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -29,8 +33,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-from checkpoint import (Group, copy_companions, load_config, read_metadata, resolve_checkpoint, resolve_output, single,
-                        write_safetensors)
+from checkpoint import (Group, Spec, copy_companions, load_config, read_metadata, resolve_checkpoint, resolve_output,
+                        single, write_safetensors)
 from cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from errors import UserError, run_cli
 from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
@@ -42,7 +46,9 @@ except ImportError:
     kernels = None
 
 GROUPSIZES = (32, 64, 128, 256)
-MODES = ("int8", "int4", "int4-gptq", "int4-gguf")
+# Int8Linear on CPU: products of up to this many rows (decoding, a verify step) take PyTorch's int8 kernel;
+# products of more (prefill) a matmul of the weight converted a block at a time, where the kernel is slower
+CPU_INT8_KERNEL_ROWS = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +95,14 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
     return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
+def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
+    """w (n, k) -> packed levels (n, k/2), bf16 scales and mins (n, k/groupsize), rounded to nearest."""
+    scales, mins = int4_group_params(w, groupsize)
+    # round the parameters to their stored dtype first, so the levels fit what dequantization sees
+    scales, mins = scales.bfloat16(), mins.bfloat16()
+    return pack_int4(quantize_int4(w, scales.float(), mins.float())), scales, mins
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantized modules: the model does not know it is quantized
 
@@ -117,7 +131,7 @@ class Int8Linear(nn.Module):
         rows = x.shape[:-1].numel()
         if self.kernel == "cpu-fused" and compiling_few_rows(x):
             y = few_rows_product(x, self.weight) * self.scales  # int8 converted in registers
-        elif self.kernel.startswith("cpu") and rows <= 16:
+        elif self.kernel.startswith("cpu") and rows <= CPU_INT8_KERNEL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif self.kernel == "triton" and rows <= kernels.ROWS:
@@ -284,6 +298,212 @@ def int4_kernel(device: torch.device, out_features: int) -> str:
     return "dequantize"
 
 
+# ---------------------------------------------------------------------------------------------
+# Schemes
+
+
+class Scheme:
+    """What every scheme has: its names in the file's metadata, how it is made from quantize.py's
+    options and read back from the metadata, and how it gets ready to quantize a checkpoint. Each
+    scheme adds
+      group(name, read, shape) -> Group: the tensors in the file replacing linear weight `name` of
+        `shape` ((n, k), or (n_experts, n, k): a MoE layer's experts), made from read() when written;
+      module(old) -> nn.Module: what takes the place of `old` (an nn.Linear or ExpertLinears) on its
+        device, empty until loading fills it;
+      kernel(module) -> str, where its modules have a `kernel` (None until packed): the one `pack`
+        takes on the module's device.
+    Tensor parallelism reads a rank's slice of each tensor by its dimensions (tp.shard_selector): a
+    linear's rows first (after a MoE layer's experts), its input columns last, a rank's share of them
+    holding whole groups of `groupsize`."""
+
+    method: str  # how the weights were made: the metadata's "method"
+    layout: str  # how they lie in the file: the metadata's "mode", which int4's methods share
+    groupsize: int | None = None
+    fallback: str | None = None  # the kernel of a device that has none of the scheme's own: noted at load
+    made_in_memory = True  # False where making it takes more than the weights (a calibration text, a GGUF)
+
+    @classmethod
+    def from_options(cls, groupsize: int, **calibration) -> "Scheme":
+        """The scheme quantize.py's options ask for; a UserError for options it cannot take."""
+        return cls()
+
+    @classmethod
+    def from_metadata(cls, entry: dict) -> "Scheme":
+        return cls()
+
+    def metadata(self) -> dict:
+        """The file's "quantization" entry, which read_scheme reads back."""
+        return {"mode": self.layout, "method": self.method, "head": HEAD.method}
+
+    def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
+        """Get ready to make the tensors of the checkpoint at checkpoint_path (`source`: it opened by
+        safetensors); returns the file they are made from, for the metadata's "source"."""
+        return str(checkpoint_path)
+
+
+class Int8(Scheme):
+    """Per output channel, symmetric: weight int8 (n, k), scales bf16 (n,), w ~ weight * scale."""
+
+    method = layout = "int8"
+
+    def group(self, name: str, read, shape: tuple) -> Group:
+        base = name.removesuffix(".weight")
+        specs = [(f"{base}.weight", torch.int8, shape), (f"{base}.scales", torch.bfloat16, shape[:-1])]
+        return specs, lambda: quantize_int8(read())
+
+    def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
+        device = old.weight.device
+        if isinstance(old, ExpertLinears):
+            n_experts, out_features, in_features = old.weight.shape
+            return Int8ExpertLinears(n_experts, in_features, out_features, device=device)
+        return Int8Linear(old.in_features, old.out_features, old.bias is not None, device=device)
+
+    def kernel(self, module: Int8Linear) -> str:
+        return int8_kernel(module.weight.device)
+
+
+class Int4(Scheme):
+    """Per group of `groupsize` input columns, asymmetric, rounded to nearest: weight uint8 (n, k/2),
+    scales and mins bf16 (n, k/groupsize), k zero-padded to whole groups (x is padded to match)."""
+
+    method = layout = "int4"
+    fallback = "dequantize"
+
+    def __init__(self, groupsize: int):
+        if groupsize not in GROUPSIZES:
+            raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
+        self.groupsize = groupsize
+
+    @classmethod
+    def from_options(cls, groupsize: int, **calibration) -> "Int4":
+        return cls(groupsize)
+
+    @classmethod
+    def from_metadata(cls, entry: dict) -> "Int4":
+        return cls(entry["groupsize"])
+
+    def metadata(self) -> dict:
+        return {"mode": self.layout, "groupsize": self.groupsize, "method": self.method, "head": HEAD.method}
+
+    def padded(self, k: int) -> int:
+        return -(-k // self.groupsize) * self.groupsize
+
+    def specs(self, name: str, shape: tuple, dtype: torch.dtype = torch.bfloat16) -> list[Spec]:
+        base, (*rows, k) = name.removesuffix(".weight"), shape
+        groups = self.padded(k) // self.groupsize
+        return [(f"{base}.weight", torch.uint8, (*rows, self.padded(k) // 2)),
+                (f"{base}.scales", dtype, (*rows, groups)), (f"{base}.mins", dtype, (*rows, groups))]
+
+    def group(self, name: str, read, shape: tuple) -> Group:
+        pad = self.padded(shape[-1]) - shape[-1]
+        return self.specs(name, shape), lambda: rtn_int4(F.pad(read().float(), (0, pad)), self.groupsize)
+
+    def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
+        device = old.weight.device
+        if isinstance(old, ExpertLinears):
+            n_experts, out_features, in_features = old.weight.shape
+            return Int4ExpertLinears(n_experts, in_features, out_features, self.groupsize, device=device)
+        return Int4Linear(old.in_features, old.out_features, self.groupsize, old.bias is not None, device=device)
+
+    def kernel(self, module: Int4Linear | Int4ExpertLinears) -> str:
+        return int4_kernel(module.weight.device, module.out_features)
+
+
+class Int4GPTQ(Int4):
+    """int4's layout, rounded GPTQ's way (GPTQ, below), calibrated on text layer by layer."""
+
+    method = "int4-gptq"
+    made_in_memory = False
+
+    def __init__(self, groupsize: int, calibration_file: Path | None = None, calibration_samples: int = 32,
+                 calibration_seq_len: int = 512):
+        super().__init__(groupsize)
+        self.calibration = calibration_file, calibration_samples, calibration_seq_len
+        self.gptq = None  # the checkpoint's, once prepared
+
+    @classmethod
+    def from_options(cls, groupsize: int, calibration_file: Path | None = None, calibration_samples: int = 32,
+                     calibration_seq_len: int = 512) -> "Int4GPTQ":
+        if min(calibration_samples, calibration_seq_len) < 1:
+            raise UserError("GPTQ needs at least one calibration sample of at least one token")
+        return cls(groupsize, calibration_file, calibration_samples, calibration_seq_len)
+
+    def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
+        if config.n_experts:
+            raise UserError("GPTQ is not implemented for mixture-of-experts models: use --mode int4 (round to nearest)")
+        self.gptq = GPTQ(source, checkpoint_path.parent, config, self.groupsize, *self.calibration)
+        return super().prepare(checkpoint_path, source, config)
+
+    def group(self, name: str, read, shape: tuple) -> Group:
+        return self.specs(name, shape), lambda: self.gptq.quantize(name.removesuffix(".weight"))
+
+
+class Int4GGUF(Int4):
+    """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
+    levels q, w = d * q + m) is int4's layout at groupsize 32, so the linears are copied from the
+    GGUF, not re-quantized: the file holds its levels and fp16 scales and mins exactly (at run time the
+    int4 kernels take scales and zeros in bf16, to which these round: about 2^-9 of each, relative)."""
+
+    method = "gguf-q4_1"
+    made_in_memory = False
+
+    def __init__(self, groupsize: int = 32):
+        super().__init__(groupsize)
+        self.tensors, self.parts = {}, {}  # the GGUF's tensors by name, and those of each of ours, once prepared
+
+    @classmethod
+    def from_options(cls, groupsize: int, **calibration) -> "Int4GGUF":
+        if groupsize != 32:
+            raise UserError("int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize")
+        return cls()
+
+    def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
+        import gguf
+
+        from convert import gguf_names
+
+        gguf_path = read_metadata(checkpoint_path).get("source", "")
+        if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
+            raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
+        self.tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+        self.parts = gguf_names(config)
+        return gguf_path
+
+    def group(self, name: str, read, shape: tuple) -> Group:
+        def make():  # each part's tensors, concatenated along rows
+            return [torch.cat(p) for p in zip(*(q4_1(self.tensors[part], heads) for part, heads in self.parts[name]))]
+
+        return self.specs(name, shape, torch.float16), make
+
+
+SCHEMES = {"int8": Int8, "int4": Int4, "int4-gptq": Int4GPTQ, "int4-gguf": Int4GGUF}  # by quantize.py's --mode
+# The output head's scheme in every mode: it is the largest single matrix of small models, and int4
+# costs it the most accuracy
+HEAD = Int8()
+
+
+def layer_scheme(name: str, scheme: Scheme) -> Scheme:
+    """The scheme of the linear layer `name` in a model quantized with `scheme`."""
+    return HEAD if name == "output" else scheme
+
+
+def read_scheme(metadata: dict[str, str]) -> Scheme | None:
+    """The scheme recorded in a checkpoint's metadata, or None for an unquantized checkpoint."""
+    entry = metadata.get("quantization")
+    if not entry:
+        return None
+    entry = json.loads(entry)
+    known = [scheme for scheme in SCHEMES.values() if scheme.method == entry.get("method")]
+    if not known:
+        raise UserError(f"this checkpoint is quantized by a method this version does not know ({entry}): quantize "
+                        f"its unquantized checkpoint again")
+    return known[0].from_metadata(entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing a model
+
+
 def linear_names(model: Transformer) -> list[str]:
     """The layers that quantization replaces: every linear, the output head included, and every MoE
     layer's stacked experts; not a MoE router, whose few weights pick the experts."""
@@ -291,54 +511,57 @@ def linear_names(model: Transformer) -> list[str]:
             if isinstance(m, (nn.Linear, ExpertLinears)) and not name.endswith(".router")]
 
 
-def swap_linears(model: Transformer, scheme: dict):
-    """Replace the layers of linear_names (nn.Linear, and MoE experts' stacked linears) by the quantized
-    modules of `scheme` (the buffers are filled by loading)."""
+def quantized_groups(model: Transformer, read, scheme: Scheme, dtype: torch.dtype | None = None) -> list[Group]:
+    """The tensors of `model`'s state dict as `scheme` stores them, a group of them an entry, made when
+    written from read(name), the entry's unquantized tensor: each linear's weight quantized (by
+    layer_scheme's scheme), the rest (embeddings, norms, biases, routers) in dtype (None: as `model`
+    holds them)."""
+    linears = set(linear_names(model))
+    groups = []
+    for name, tensor in model.state_dict().items():
+        base, shape, read_one = name.removesuffix(".weight"), tuple(tensor.shape), functools.partial(read, name)
+        if base in linears:
+            groups.append(layer_scheme(base, scheme).group(name, read_one, shape))
+        else:
+            stored = dtype or tensor.dtype
+            groups.append(single(name, stored, shape, lambda read_one=read_one, stored=stored: read_one().to(stored)))
+    return groups
+
+
+def quantized_state_dict(model: Transformer, scheme: Scheme) -> dict[str, Tensor]:
+    """`model`'s state dict quantized in memory as `scheme` writes it; the tensors it does not quantize
+    are model's own, not copies."""
+    state = model.state_dict()
+    return {spec[0]: t for specs, make in quantized_groups(model, state.__getitem__, scheme)
+            for spec, t in zip(specs, make(), strict=True)}
+
+
+def swap_linears(model: Transformer, scheme: Scheme):
+    """Replace the layers of linear_names (nn.Linear, and MoE experts' stacked linears) by the modules of
+    their scheme (layer_scheme), empty until loading fills them."""
     for name in linear_names(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        device = old.weight.device
-        if isinstance(old, ExpertLinears):
-            n_experts, out_features, in_features = old.weight.shape
-            new = (Int8ExpertLinears(n_experts, in_features, out_features, device=device) if scheme["mode"] == "int8"
-                   else Int4ExpertLinears(n_experts, in_features, out_features, scheme["groupsize"], device=device))
-            setattr(parent, child, new)
-            continue
-        bias = old.bias is not None
-        if scheme["mode"] == "int8" or name == "output":
-            new = Int8Linear(old.in_features, old.out_features, bias, device=device)
-        else:
-            new = Int4Linear(old.in_features, old.out_features, scheme["groupsize"], bias, device=device)
-        setattr(parent, child, new)
+        setattr(parent, child, layer_scheme(name, scheme).module(getattr(parent, child)))
 
 
-def pack_for_device(model: Transformer):
-    """Choose each quantized module's kernel for its device, once, and give int4 weights that kernel's
-    layout; say once if some int4 layers have no kernel here."""
+def pack_for_device(model: nn.Module, scheme: Scheme | None):
+    """Choose, once, the kernel of each quantized module with one to choose (its `kernel` still None)
+    for its device, as its scheme says, and give its weights that kernel's layout (int4's takes a
+    while); say once if some layers have only their scheme's fallback here."""
     from tqdm import tqdm
 
+    waiting = [(name, m) for name, m in model.named_modules() if getattr(m, "kernel", "") is None]
     fallbacks = []
-    int4 = [m for m in model.modules() if isinstance(m, (Int4Linear, Int4ExpertLinears))]
-    progress = tqdm(total=len(int4), desc="packing int4 weights", unit="layer", leave=False, disable=not int4)
-    for name, m in model.named_modules():
-        if isinstance(m, Int8Linear) and m.kernel is None:
-            m.pack(int8_kernel(m.weight.device))
-        elif isinstance(m, (Int4Linear, Int4ExpertLinears)) and m.kernel is None:
-            progress.update()
-            kernel = int4_kernel(m.weight.device, m.out_features)
-            m.pack(kernel)
-            if kernel == "dequantize":
-                fallbacks.append(name)
-    progress.close()
+    for name, m in tqdm(waiting, desc="packing quantized weights", unit="layer", leave=False, disable=not waiting):
+        layer = layer_scheme(name, scheme)
+        kernel = layer.kernel(m)
+        m.pack(kernel)
+        if kernel == layer.fallback:
+            fallbacks.append(name)
     if fallbacks:
-        print(f"note: no int4 kernel here for {len(fallbacks)} layers (e.g. {fallbacks[0]}): they run as "
-              f"bf16 matmuls of dequantized weights, correct but not faster", file=sys.stderr)
-
-
-def int4_groupsize(scheme: dict | None) -> int | None:
-    """The group size of an int4 scheme, None for any other."""
-    return scheme["groupsize"] if scheme and scheme["mode"] == "int4" else None
+        print(f"note: no {scheme.layout} kernel here for {len(fallbacks)} layers (e.g. {fallbacks[0]}): they run "
+              f"as bf16 matmuls of dequantized weights, correct but not faster", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,86 +585,48 @@ def output_file(output: Path | None, checkpoint_path: Path, mode: str, groupsize
     return output
 
 
-def quantized_group(name: str, read, shape: tuple, scheme: dict, gptq=None) -> Group:
-    """The tensors replacing linear weight `name`, made from read() when written."""
-    base = name.removesuffix(".weight")
-    *rows, k = shape  # rows: (n,), or (n_experts, n) for a MoE layer's stacked experts
-    if scheme["mode"] == "int8" or base == "output":
-        specs = [(f"{base}.weight", torch.int8, shape), (f"{base}.scales", torch.bfloat16, tuple(rows))]
-        return specs, lambda: quantize_int8(read())
-    g = scheme["groupsize"]
-    padded = -(-k // g) * g
-    specs = [(f"{base}.weight", torch.uint8, (*rows, padded // 2)),
-             (f"{base}.scales", torch.bfloat16, (*rows, padded // g)),
-             (f"{base}.mins", torch.bfloat16, (*rows, padded // g))]
-
-    def make():
-        if gptq:
-            return gptq.quantize(base)
-        return rtn_int4(F.pad(read().float(), (0, padded - k)), g)  # zero columns: x is zero-padded to match
-
-    return specs, make
-
-
-def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
-    scales, mins = int4_group_params(w, groupsize)
-    # round the parameters to their stored dtype first, so the levels fit what dequantization sees
-    scales, mins = scales.bfloat16(), mins.bfloat16()
-    return pack_int4(quantize_int4(w, scales.float(), mins.float())), scales, mins
-
-
 def quantize(checkpoint_path: Path, mode: str, groupsize: int = 32, output: Path | None = None,
              calibration_file: Path | None = None, calibration_samples: int = 32, calibration_seq_len: int = 512
              ) -> Path:
     """Write a quantized copy of a checkpoint beside it (or at output, with copies of the files read
     beside the weights), tensor by tensor."""
     checkpoint_path = resolve_checkpoint(checkpoint_path)
-    if mode not in MODES:
-        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode not in SCHEMES:
+        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(SCHEMES)}")
     existing = read_scheme(read_metadata(checkpoint_path))
     if existing:
-        raise UserError(f"{checkpoint_path} is already quantized ({json.dumps(existing)}): quantize the unquantized "
-                        f"checkpoint it came from")
-    if mode == "int4-gguf" and groupsize != 32:
-        raise UserError("int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize")
-    if mode == "int4-gptq" and min(calibration_samples, calibration_seq_len) < 1:
-        raise UserError("GPTQ needs at least one calibration sample of at least one token")
-    if mode not in ("int8", "int4-gguf") and groupsize not in GROUPSIZES:
-        raise UserError(f"groupsize {groupsize} is not one the int4 kernels take: choose one of {GROUPSIZES}")
+        raise UserError(f"{checkpoint_path} is already quantized ({json.dumps(existing.metadata())}): quantize the "
+                        f"unquantized checkpoint it came from")
+    scheme = SCHEMES[mode].from_options(groupsize, calibration_file=calibration_file,
+                                        calibration_samples=calibration_samples,
+                                        calibration_seq_len=calibration_seq_len)
     output = output_file(output, checkpoint_path, mode, groupsize)
-    if mode == "int4-gguf":
-        import_gguf_int4(checkpoint_path, output)
-        copy_companions(checkpoint_path, output.parent)
-        return output
     config = load_config(checkpoint_path)
     source = safe_open(str(checkpoint_path), framework="pt")
     with torch.device("meta"):
         model = Transformer(config)
-    linears = {f"{n}.weight" for n in linear_names(model)}
-    gptq = None
-    if mode == "int4-gptq" and config.n_experts:
-        raise UserError("GPTQ is not implemented for mixture-of-experts models: use --mode int4 (round to nearest)")
-    if mode == "int4-gptq":
-        gptq = GPTQ(source, checkpoint_path.parent, config, groupsize, calibration_file,
-                    calibration_samples, calibration_seq_len)
-
-    scheme = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
-    scheme.update(method=mode, head="int8")
-    groups = []
-    for name, tensor in model.state_dict().items():
-        # a tied head is quantized from the embedding table, which itself stays bf16 for lookups
-        stored = "tok_embeddings.weight" if name == "output.weight" and config.tie_embeddings else name
-        if stored not in source.keys() or tuple(source.get_slice(stored).get_shape()) != tuple(tensor.shape):
-            raise UserError(f"{checkpoint_path} does not fit its model_config.json at {stored}: convert it again")
-        read = lambda stored=stored: source.get_tensor(stored)  # noqa: E731 (read when written)
-        if name in linears:
-            groups.append(quantized_group(name, read, tuple(tensor.shape), scheme, gptq))
-        else:
-            groups.append(single(name, torch.bfloat16, tensor.shape, lambda read=read: read().bfloat16()))
-    write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(checkpoint_path)},
+    read = checkpoint_reader(checkpoint_path, source, model)
+    made_from = scheme.prepare(checkpoint_path, source, config)
+    write_safetensors(output, quantized_groups(model, read, scheme, torch.bfloat16),
+                      {"quantization": json.dumps(scheme.metadata()), "source": made_from},
                       desc=f"quantizing to {mode}")
     copy_companions(checkpoint_path, output.parent)
     return output
+
+
+def checkpoint_reader(checkpoint_path: Path, source, model: Transformer):
+    """read(name) of each of the (meta) model's state dict entries from the checkpoint (`source`: it
+    opened by safetensors), once all are checked to be there in the model's shapes."""
+    tied = model.config.tie_embeddings
+
+    def stored(name: str) -> str:  # a tied head is quantized from the embedding table, which itself stays bf16
+        return "tok_embeddings.weight" if name == "output.weight" and tied else name
+
+    for name, tensor in model.state_dict().items():
+        name = stored(name)
+        if name not in source.keys() or tuple(source.get_slice(name).get_shape()) != tuple(tensor.shape):
+            raise UserError(f"{checkpoint_path} does not fit its model_config.json at {name}: convert it again")
+    return lambda name: source.get_tensor(stored(name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,65 +760,24 @@ def python_docs_text(part: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The bundled GGUF's Q4_1 weights, imported without loss
+# The bundled GGUF's Q4_1 weights, imported without loss (Int4GGUF)
 
 
-def import_gguf_int4(checkpoint_path: Path, output: Path):
-    """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
-    levels q, w = d * q + m) is our int4 layout at groupsize 32, so its linears are copied from the
-    GGUF, not re-quantized: the file holds its levels and fp16 scales and mins exactly (at run time the
-    int4 kernels take scales and zeros in bf16, to which these round: about 2^-9 of each, relative).
-    The head is int8 as in every mode."""
+def q4_1(tensor, heads: int | None) -> list[Tensor]:
+    """A GGUF file's Q4_1 tensor as int4's packed levels and fp16 scales and mins, its rows in our
+    order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not)."""
     import gguf
 
-    from convert import gguf_names, unpermute_rows
+    from convert import unpermute_rows
 
-    gguf_path = read_metadata(checkpoint_path).get("source", "")
-    if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
-        raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
-    reader = gguf.GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = load_config(checkpoint_path)
-
-    def q4_1(name: str, heads: int | None) -> list[Tensor]:
-        t = tensors[name]
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            raise UserError(f"{name} is {t.tensor_type.name}, not Q4_1: this GGUF has no lossless int4 import")
-        blocks = torch.from_numpy(t.data.copy()).view(t.data.shape[0], -1, 20)  # (rows, k/32, 20 bytes)
-        d, m, qs = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
-        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
-        d, m = (x.contiguous().view(torch.float16)[..., 0] for x in (d, m))  # (rows, k/32) each
-        parts = [pack_int4(levels), d, m]
-        return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
-
-    source = safe_open(str(checkpoint_path), framework="pt")
-    with torch.device("meta"):
-        model = Transformer(config)
-    linears, sources = {f"{n}.weight" for n in linear_names(model)}, gguf_names(config)
-    groups = []
-    for name, tensor in model.state_dict().items():
-        if name == "output.weight":  # our checkpoint keeps a tied head as the embedding table only
-            stored = "tok_embeddings.weight" if config.tie_embeddings else name
-            read = lambda: source.get_tensor(stored)  # noqa: E731
-            groups.append(quantized_group(name, read, tuple(tensor.shape), {"mode": "int8"}))
-        elif name in linears:
-            base, (n, k) = name.removesuffix(".weight"), tensor.shape
-            specs = [(f"{base}.weight", torch.uint8, (n, k // 2)), (f"{base}.scales", torch.float16, (n, k // 32)),
-                     (f"{base}.mins", torch.float16, (n, k // 32))]
-            parts = sources[name]
-            groups.append((specs, lambda parts=parts: [torch.cat(p) for p in zip(*(q4_1(*g) for g in parts))]))
-        else:
-            read = lambda name=name: source.get_tensor(name).bfloat16()  # noqa: E731
-            groups.append(single(name, torch.bfloat16, tensor.shape, read))
-    scheme = {"mode": "int4", "groupsize": 32, "method": "gguf-q4_1", "head": "int8"}
-    write_safetensors(output, groups, {"quantization": json.dumps(scheme), "source": str(gguf_path)},
-                      desc="importing Q4_1")
-
-
-def read_scheme(metadata: dict[str, str]) -> dict | None:
-    """The quantization scheme recorded in a checkpoint's metadata, or None for an unquantized one."""
-    scheme = metadata.get("quantization")
-    return json.loads(scheme) if scheme else None
+    if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+        raise UserError(f"{tensor.name} is {tensor.tensor_type.name}, not Q4_1: this GGUF has no lossless int4 import")
+    blocks = torch.from_numpy(tensor.data.copy()).view(tensor.data.shape[0], -1, 20)  # (rows, k/32, 20 bytes)
+    d, m, qs = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
+    levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
+    d, m = (x.contiguous().view(torch.float16)[..., 0] for x in (d, m))  # (rows, k/32) each
+    parts = [pack_int4(levels), d, m]
+    return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 
 
 def main(args):
@@ -651,7 +795,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--mode", required=True,
-                   help=f"one of {', '.join(MODES)} (int4-gguf: copy a GGUF import's Q4_1 weights losslessly)")
+                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_1 weights losslessly)")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {GROUPSIZES}")
     p.add_argument("--calibration_file", type=Path, default=None,
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")

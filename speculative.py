@@ -45,10 +45,10 @@ class Drafter:
     alternatives = 0  # other tokens offered at each depth, besides the draft (tree drafting)
 
     def start(self, target: Transformer, tokens: Tensor, prompt_lengths: Tensor, cache_length: int,
-              states: Tensor | None = None):
+              states: Tensor | None = None, steps: decode.Steps = decode.EAGER):
         """Called once per generate() call, after the target's prefill: tokens hold the prompts, and the
         first new token after each; states (B, T, dim), if read, the target's last layer at each prompt
-        position."""
+        position; steps, the forwards generate() was given, for a drafter's own (draft_step, head_step)."""
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, **sampling) -> tuple[Tensor, Tensor | None] | int:
         """k drafts a row (B, k) and, when sampling, the drafter's probabilities for them (B, k, V), or
@@ -74,16 +74,16 @@ class DraftModel(Drafter):
     def __init__(self, model: Transformer, alternatives: int = 0):
         self.model, self.alternatives = model, alternatives
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, steps=decode.EAGER):
         if self.model.config.vocab_size != target.config.vocab_size:
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
-        self.last_position = cache_length - 1
+        self.last_position, self.steps = cache_length - 1, steps
         self.shares_caches = self.model.share_caches(target)  # each call: the target's may be new ones
         if not self.shares_caches:
             self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
             T = int(prompt_lengths.max())
-            decode.prefill_logits(self.model, tokens[:, :T], prompt_lengths)  # fills its caches
+            decode.prefill_logits(self.model, tokens[:, :T], prompt_lengths, steps)  # fills its caches
 
     def propose(self, tokens, lengths, k, **sampling):
         """The first step feeds the text's last token, and with caches of its own the one before too:
@@ -98,7 +98,7 @@ class DraftModel(Drafter):
         keys = decode.key_positions(self.model, int(lengths.max()) + k)  # the last draft's position + 1
         drafts, probs = [], []
         for _ in range(k):
-            logits = draft_step(self.model, x, pos.clamp(max=self.last_position), keys)  # (B, V)
+            logits = self.steps.draft_step(self.model, x, pos.clamp(max=self.last_position), keys)  # (B, V)
             x, q = draft_token(logits, sampling)
             probs += [] if q is None else [q]
             drafts.append(with_alternatives(x, logits, self.alternatives))
@@ -117,7 +117,7 @@ class PromptLookup(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, steps=decode.EAGER):
         self.skip = 0  # plain steps to take before drafting again
         self.backoff = 0  # the pause after a proposal no row kept: 2, 8, 32, then 64 steps
         self.misses = 0  # searches in a row that found nothing
@@ -226,11 +226,11 @@ class HeadDrafter(Drafter):
     def __init__(self, head: DraftHead, alternatives: int = 0):
         self.head, self.alternatives = head, alternatives
 
-    def start(self, target, tokens, prompt_lengths, cache_length, states=None):
+    def start(self, target, tokens, prompt_lengths, cache_length, states=None, steps=decode.EAGER):
         if self.head.config.dim != target.config.dim or int(self.head.vocab.max()) >= target.config.vocab_size:
             raise UserError("the draft head does not fit the target (its width or vocabulary differs): train one "
                             "for it with scripts/train_draft_head.py")
-        self.target = target
+        self.target, self.steps = target, steps
         self.head.setup_caches(tokens.shape[0], cache_length, target.chunk)
         self.last_position = cache_length - 1
         # the prompt: position i reads the target's state at i - 1 and token i (the first new one at the end)
@@ -253,14 +253,15 @@ class HeadDrafter(Drafter):
             rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
             last = (lengths - 1 - first).clamp(0, states.shape[1] - 1)  # each row's last text position
             keys = decode.key_positions(self.head, int(first.max()) + states.shape[1])
-            self.next = head_step(self.head, self.target, tokens[rows, first[:, None] + offsets], states, pos, keys, last)
+            self.next = self.steps.head_step(self.head, self.target, tokens[rows, first[:, None] + offsets], states,
+                                             pos, keys, last)
         logits, state = self.next
         keys = decode.key_positions(self.head, int(lengths.max()) + k)
         drafts, probs = [], []
         for i in range(k):
             if i > 0:
                 pos = (lengths + i - 1)[:, None].clamp(max=self.last_position)
-                logits, state = head_step(self.head, self.target, drafts[-1][:, :1], state, pos, keys)
+                logits, state = self.steps.head_step(self.head, self.target, drafts[-1][:, :1], state, pos, keys)
             choice, q = draft_token(logits[:, -1], sampling)  # q (B, N): over the head's vocabulary
             if q is not None:
                 probs.append(torch.zeros(q.shape[0], self.target.config.vocab_size, device=q.device)
@@ -271,12 +272,6 @@ class HeadDrafter(Drafter):
 
     def accepted(self, n, active, states):
         self.verified = states, self.lengths  # verified at positions lengths - 1 ...: the head's at lengths ...
-
-
-def head_step(head: DraftHead, target: Transformer, tokens: Tensor, states: Tensor, pos: Tensor, keys: Tensor,
-              last: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """DraftHead.forward, as a function compile_steps() compiles."""
-    return head(target, tokens, states, pos, keys, last)
 
 
 def draft_token(logits: Tensor, sampling: dict) -> tuple[Tensor, Tensor | None]:
@@ -304,12 +299,14 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
                          speculate_k: int = SPECULATE_K, temperature: float = 0.0, top_k: int | None = None,
                          top_p: float | None = None, stop_ids: list[int] | None = None, callback=None,
                          stats: dict | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                         kv_cache_dtype: torch.dtype | None = None) -> list[Tensor]:
-    """Each prompt followed by its new tokens, as generate.generate returns them. `stats`, if given,
-    receives "accepted_counts" (how many verify steps, over all rows, found 0, 1, ..., k drafts right;
-    an alternative kept counts as the draft it replaced), "verify_tokens" (the tokens those steps added
-    to the text: fewer where a round passes max_new_tokens), "plain_steps" (steps taken without a
-    proposal) and, with alternatives, "alternatives_kept" (the rounds that kept one)."""
+                         kv_cache_dtype: torch.dtype | None = None, steps: decode.Steps = decode.EAGER
+                         ) -> list[Tensor]:
+    """Each prompt followed by its new tokens, as generate.generate returns them; steps, generate's: the
+    forwards the target and the drafter run. `stats`, if given, receives "accepted_counts" (how many
+    verify steps, over all rows, found 0, 1, ..., k drafts right; an alternative kept counts as the
+    draft it replaced), "verify_tokens" (the tokens those steps added to the text: fewer where a round
+    passes max_new_tokens), "plain_steps" (steps taken without a proposal) and, with alternatives,
+    "alternatives_kept" (the rounds that kept one)."""
     if not isinstance(drafter, Drafter):
         raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
                         f"not {drafter!r}")
@@ -340,13 +337,13 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     # cache; lengths: how much of each row is text
     tokens = decode.right_padded(prompts, cache_length + k + 1, device)
     if drafter.reads_states:
-        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths, states=True)
+        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths, steps, states=True)
     else:
-        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths), None
+        logits, states = decode.prefill_logits(model, tokens[:, :T], prompt_lengths, steps), None
     cur = decode.sample(logits[:, 0], **sampling)  # (B, 1)
     rows = torch.arange(B, device=device)
     tokens[rows, prompt_lengths] = cur[:, 0]
-    drafter.start(model, tokens, prompt_lengths, cache_length, states)
+    drafter.start(model, tokens, prompt_lengths, cache_length, states, steps=steps)
     lengths = prompt_lengths + 1  # cur is text, not yet in the target's cache
     limit = prompt_lengths + max_new_tokens
     stops = torch.tensor(stop_ids or [], device=device)
@@ -365,16 +362,16 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             if not 1 <= proposal <= k + 1:
                 raise UserError(f"{type(drafter).__name__} asked for {proposal} plain steps in a round; "
                                 f"a round takes 1 to speculate_k + 1 = {k + 1}")
-            steps = min(proposal, int(torch.where(done, 0, limit - lengths).max()))  # none past the last token
-            emitted = plain_steps(model, cur, lengths, steps, cache_length, keys, **sampling)  # (B, steps)
-            n, next_token = torch.full_like(lengths, steps - 1), emitted[:, -1]
-            plain_step_count += steps
+            n_plain = min(proposal, int(torch.where(done, 0, limit - lengths).max()))  # none past the last token
+            emitted = plain_steps(model, cur, lengths, n_plain, cache_length, keys, steps, **sampling)  # (B, n_plain)
+            n, next_token = torch.full_like(lengths, n_plain - 1), emitted[:, -1]
+            plain_step_count += n_plain
         else:
             drafts, draft_probs = proposal  # drafts (B, k), or (B, k, 1 + m) with alternatives
             chain = drafts if drafts.dim() == 2 else drafts[..., 0]
             # drafts (B, k) as kept: an alternative stands in place of the draft it replaced
             n, next_token, drafts, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys,
-                                                   **sampling)
+                                                   steps, **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
             if room:
                 alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
@@ -406,19 +403,15 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
 
 
 def plain_steps(model: Transformer, cur: Tensor, lengths: Tensor, n: int, cache_length: int, keys: Tensor,
-                **sampling) -> Tensor:
-    """n plain decode steps of the target after cur (B, 1), each row's last token (at lengths - 1):
-    the next n tokens (B, n). Positions past the cache are clamped to its last slot, as in verify."""
+                steps: decode.Steps, **sampling) -> Tensor:
+    """n plain decode steps (steps.decode_one_token) of the target after cur (B, 1), each row's last
+    token (at lengths - 1): the next n tokens (B, n). Positions past the cache are clamped to its last
+    slot, as in verify."""
     tokens = [cur]
     for i in range(n):
         position = (lengths - 1 + i).clamp(max=cache_length - 1)[:, None]
-        tokens.append(decode.decode_one_token(model, tokens[-1], position, keys, **sampling))
+        tokens.append(steps.decode_one_token(model, tokens[-1], position, keys, **sampling))
     return torch.cat(tokens[1:], dim=1)
-
-
-def draft_step(draft_model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
-    """x: (B, T) at positions pos (B, T) -> the draft model's logits for the next token (B, V)."""
-    return draft_model(x, pos, key_positions=keys)[:, -1]
 
 
 def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, min_ngram: int = 2
@@ -449,19 +442,19 @@ def prompt_lookup(tokens: Tensor, lengths: Tensor, k: int, max_ngram: int = 3, m
 
 
 def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor | None, lengths: Tensor,
-           cache_length: int, keys: Tensor, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Score cur and the drafts in one forward of the target, writing them into its cache; keys:
-    decode.key_positions() above all of their slots. drafts (B, k), or (B, k, 1 + m): each draft
-    and m alternatives to it, scored as a tree (draft_tree). Returns each row's number of kept drafts
-    n (B,), the token that follows them (B,), the drafts as kept (B, k: an alternative in place of
-    the draft it replaced) and the target's last-layer states at cur and them (B, k + 1, dim)."""
+           cache_length: int, keys: Tensor, steps: decode.Steps, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Score cur and the drafts in one forward of the target (steps.target_step), writing them into its
+    cache; keys: decode.key_positions() above all of their slots. drafts (B, k), or (B, k, 1 + m): each
+    draft and m alternatives to it, scored as a tree (draft_tree). Returns each row's number of kept
+    drafts n (B,), the token that follows them (B,), the drafts as kept (B, k: an alternative in place
+    of the draft it replaced) and the target's last-layer states at cur and them (B, k + 1, dim)."""
     chain, alternatives = (drafts, None) if drafts.dim() == 2 else (drafts[..., 0], drafts[..., 1:])
     B, k = chain.shape
     x = torch.cat([cur, chain] + ([] if alternatives is None else [alternatives.flatten(1)]), dim=1)  # (B, N)
     tree = None if alternatives is None else draft_tree(k, alternatives.shape[2], x.device)
     pos = ((lengths - 1)[:, None] + torch.arange(x.shape[1], device=x.device)).clamp(max=cache_length - 1)
-    logits, states = target_step(model, x, pos, keys, tree)  # (B, N, V), (B, N, dim)
+    logits, states = steps.target_step(model, x, pos, keys, tree)  # (B, N, V), (B, N, dim)
     if temperature == 0:
         n, next_token, node = accept_greedy(logits, chain, alternatives)
     else:
@@ -492,13 +485,6 @@ def draft_tree(k: int, m: int, device=None) -> Tensor:
     for i in range(1, len(parents)):
         tree[i] |= tree[parents[i]]
     return tree
-
-
-def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, tree: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-    """The target's logits (B, T, V) and last-layer states (B, T, dim) for x (B, T) at pos (B, T)."""
-    states = model.hidden_states(x, pos, keys, tree)
-    return model.logits(states), states
 
 
 def accept_greedy(logits: Tensor, drafts: Tensor, alternatives: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -561,16 +547,6 @@ def accept_sampled(target_probs: Tensor, draft_probs: Tensor, drafts: Tensor, al
         residual = torch.where(kept[:, None], target_probs[rows, node], residual)
         n = n + kept.long()
     return n, decode.sample_from(residual)[:, 0], node  # a fresh draw, not the acceptance uniform
-
-
-def compile_steps():
-    """Compile the draft model's step, the head's and the target's verify step, each with fixed shapes
-    (CUDA graphs on GPU); once, as decode.compile_steps."""
-    global draft_step, target_step, head_step
-    draft_step, head_step, target_step = (
-        step if hasattr(step, "__wrapped__") else
-        decode.copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
-        for step in (draft_step, head_step, target_step))
 
 
 def acceptance_rate(stats: dict, k: int) -> float:

@@ -206,30 +206,30 @@ def resident_bytes(model: Transformer) -> int:
 
 def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: int, rank: int = 0,
                    world: int = 1) -> Transformer:
-    """The model (rank's slice of `config`) with its linears quantized in memory, as quantize.py writes
-    them (round to nearest): random weights have no checkpoint to quantize. Embeddings and norms are
-    shared, not copied. Under TP it is sharded as the model is, all-reduces included."""
-    scheme = {"mode": mode, "groupsize": groupsize}
-    linears = {f"{name}.weight" for name in quantize.linear_names(model)}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name in linears:
-            specs, make = quantize.quantized_group(name, lambda t=tensor: t, tuple(tensor.shape), scheme)
-            state.update(zip([spec[0] for spec in specs], make()))
-        else:
-            state[name] = tensor
+    """The model (rank's slice of `config`) with its linears quantized in memory, as quantize.py's --mode
+    `mode` writes them (int4 rounded to nearest): random weights have no checkpoint to quantize.
+    Embeddings and norms are shared, not copied. Under TP it is sharded as the model is, all-reduces
+    included."""
+    scheme = quantize.SCHEMES[mode].from_options(groupsize)
+    state = quantize.quantized_state_dict(model, scheme)
     quantized, _ = gen.empty_model(config, scheme, rank, world)
     gen.fill(quantized, state)
-    quantize.pack_for_device(quantized)
+    quantize.pack_for_device(quantized, scheme)
     cpu_decode.apply(quantized)  # as load_model does
     return quantized.eval()
+
+
+def in_memory(quantized: str) -> bool:
+    """Whether one of --quantized is a mode to quantize in memory (int8, int4), not a checkpoint."""
+    return quantized in quantize.SCHEMES and quantize.SCHEMES[quantized].made_in_memory
 
 
 def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1, config: ModelArgs | None = None):
     """(name, model) for each of --quantized: a checkpoint, or int8 / int4 quantized in memory."""
     for q in args.quantized:
-        if q in ("int8", "int4"):
-            yield (f"{q}{f' g{args.groupsize}' if q == 'int4' else ''} (in memory)",
+        if in_memory(q):
+            groupsize = scheme_of(args, q).groupsize
+            yield (f"{q}{f' g{groupsize}' if groupsize else ''} (in memory)",
                    quantized_copy(model, config or full_config(args), q, args.groupsize, rank, world))
         else:
             yield Path(q).stem.removeprefix("fastllama_"), gen.load_model(q, args.device, args.precision, rank, world)
@@ -273,9 +273,9 @@ class Ladder:
         for name, (full, first) in times.items():
             self.rows[name].update(decode_speed(full, first, args.max_new_tokens))
 
-    def ours(self, name: str, model: Transformer, note: str = "", **kw):
-        """generate() greedy on the ladder's prompt; kw: speculative arguments."""
-        run = lambda n: gen.generate(model, self.prompt, n, temperature=0, **kw)  # noqa: E731
+    def ours(self, name: str, model: Transformer, note: str = "", steps: decode.Steps = decode.EAGER, **kw):
+        """generate() greedy on the ladder's prompt with steps; kw: speculative arguments."""
+        run = lambda n: gen.generate(model, self.prompt, n, temperature=0, steps=steps, **kw)  # noqa: E731
         # a speculative step reads the weights for several tokens: bytes per token are not the model's
         self.add(name, run, None if kw else gen.weight_bytes_per_token(model), note)
         self.rows[name]["memory_gb"] = resident_bytes(model) / 1e9
@@ -283,12 +283,11 @@ class Ladder:
     def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1, config=None):
         """Our compiled rungs: the model, then each quantized one unless --skip quantized (config: the model's
         whole shape)."""
-        args = self.args
-        decode.compile_steps()
-        self.ours(f"ours {args.precision} compiled{suffix}", model)
+        args, steps = self.args, gen.compiled_steps()
+        self.ours(f"ours {args.precision} compiled{suffix}", model, steps=steps)
         if "quantized" not in args.skip:
             for name, quantized in quantized_models(args, model, rank, world, config):
-                self.ours(f"ours {name} compiled{suffix}", quantized)
+                self.ours(f"ours {name} compiled{suffix}", quantized, steps=steps)
 
 
 @torch.no_grad()
@@ -300,7 +299,8 @@ def main(args):
     model = load(args)
     # loaded before any of ours compiles, so that what its import sets is seen against torch's own settings
     gf = peers.load_gpt_fast(args.gpt_fast) if args.gpt_fast else None
-    groupsizes = {None} | {int4_groupsize(args, q) for q in args.quantized}
+    schemes = [scheme_of(args, q) for q in args.quantized]
+    groupsizes = {None} | {scheme.groupsize for scheme in schemes if scheme}
     if args.tp is None:  # every GPU of the machine, where the model and its int4 copies split so many ways
         gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
         args.tp = [gpus] if gpus > 1 and splits(model.config, gpus, groupsizes) else []
@@ -388,13 +388,13 @@ def gpt_fast_rows(ladder: Ladder, model: Transformer, gf: peers.GptFast) -> dict
 
 def speculative_rows(ladder: Ladder, model: Transformer):
     """Compiled decoding with each drafter on the ladder's prompt, and how much of each draft it kept."""
-    args = ladder.args
-    speculative.compile_steps()
+    args, steps = ladder.args, gen.compiled_steps()
     for name, kw in drafters(args, model).items():
         stats, rung = {}, f"ours {args.precision} compiled + {name}"
         first_run_s = timed(lambda: gen.generate(model, ladder.prompt, args.max_new_tokens, stats=stats,
-                                                 speculate_k=args.speculate_k, **kw), args.device)  # compiles
-        ladder.ours(rung, model, speculate_k=args.speculate_k,
+                                                 speculate_k=args.speculate_k, steps=steps, **kw),
+                            args.device)  # compiles
+        ladder.ours(rung, model, steps=steps, speculate_k=args.speculate_k,
                     note=f"k={args.speculate_k}, {speculative.acceptance_rate(stats, args.speculate_k):.0%} of "
                          f"drafts kept", **kw)
         ladder.rows[rung]["first_run_s"] = first_run_s  # the run that compiled, as every rung's
@@ -440,11 +440,11 @@ def llama_bench_json(args, *options: str) -> list[dict]:
     return json.loads(run.stdout)
 
 
-def int4_groupsize(args, quantized: str) -> int | None:
-    """The int4 group size of one of --quantized (in memory: --groupsize; a checkpoint: its scheme's)."""
-    if quantized in ("int8", "int4"):
-        return args.groupsize if quantized == "int4" else None
-    return quantize.int4_groupsize(quantize.read_scheme(read_metadata(quantized)))
+def scheme_of(args, quantized: str) -> quantize.Scheme | None:
+    """The scheme of one of --quantized: a mode's, with --groupsize, or a checkpoint's (None: unquantized)."""
+    if in_memory(quantized):
+        return quantize.SCHEMES[quantized].from_options(args.groupsize)
+    return quantize.read_scheme(read_metadata(quantized))
 
 
 def check_splits(config: ModelArgs, world: int, groupsizes: set):
@@ -543,12 +543,11 @@ def speculative_main(args):
     and speedup, greedy and at each of --temperatures."""
     model = gen.load_model(args.checkpoint_path, args.device, args.precision)
     tokenizer = gen.get_tokenizer(args.checkpoint_path)
-    decode.compile_steps()
+    steps = gen.compiled_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
-    speculative.compile_steps()
     drafts = drafters(args, model)
-    rows = [] if args.no_verify_cost else [verify_cost(name, m, args) for name, m in [
+    rows = [] if args.no_verify_cost else [verify_cost(name, m, args, steps) for name, m in [
         (args.precision, model), ("int8", quantized_copy(model, model.config, "int8", args.groupsize)),
         (f"int4 g{args.groupsize}", quantized_copy(model, model.config, "int4", args.groupsize))]]
     print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
@@ -563,7 +562,7 @@ def speculative_main(args):
             def run(new_tokens=args.max_new_tokens, **kw):
                 torch.manual_seed(0)
                 return gen.generate(model, prompt, new_tokens, temperature=temperature, speculate_k=args.speculate_k,
-                                    **kw)
+                                    steps=steps, **kw)
 
             ways = {"plain": {}, **drafts}
             for kwargs in ways.values():
@@ -593,9 +592,9 @@ def speculative_main(args):
         write_record(args, rows=rows)
 
 
-def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
-    """Median ms of a compiled plain step (one token) and of a compiled verify step (k + 1 tokens; with
-    --draft_alternatives m, also of the tree of 1 + k + k * m), at `depth`, and their ratios: what a
+def verify_cost(name: str, model: Transformer, args, steps: decode.Steps, depth: int = 100) -> dict:
+    """Median ms of a plain step (one token) and of a verify step (k + 1 tokens; with --draft_alternatives
+    m, also of the tree of 1 + k + k * m), each of steps (compiled), at `depth`, and their ratios: what a
     speculative round costs beyond its drafts."""
     k, m = args.speculate_k, args.draft_alternatives
     model.setup_caches(1, decode.padded_length(depth + 64, model.config.block_size))
@@ -604,12 +603,12 @@ def verify_cost(name: str, model: Transformer, args, depth: int = 100) -> dict:
     positions = depth + torch.arange(1 + k + k * m, device=args.device)[None]
     keys = decode.key_positions(model, depth + 1 + k + k * m)
     tree = speculative.draft_tree(k, m, args.device)
-    steps = {"plain": lambda: decode.decode_one_token(model, token, positions[:, :1], keys),
-             "verify": lambda: speculative.target_step(model, token.expand(1, k + 1), positions[:, : k + 1], keys)}
+    runs = {"plain": lambda: steps.decode_one_token(model, token, positions[:, :1], keys),
+            "verify": lambda: steps.target_step(model, token.expand(1, k + 1), positions[:, : k + 1], keys)}
     if m:
-        steps["tree"] = lambda: speculative.target_step(model, token.expand(1, len(tree)), positions, keys, tree)
+        runs["tree"] = lambda: steps.target_step(model, token.expand(1, len(tree)), positions, keys, tree)
     ms = {}
-    for step, run in steps.items():
+    for step, run in runs.items():
         run(), run()  # compiles, the first time
         ms[step] = statistics.median(timed(lambda: [run() for _ in range(20)], args.device)
                                      for _ in range(args.runs)) / 20 * 1e3
@@ -741,7 +740,7 @@ def check_model_arguments(args):
     if args.max_new_tokens < 2 or args.runs < 1:
         refuse("--max_new_tokens must be 2 or more (a decode step is timed past the first token) and --runs 1 or more")
     for path in args.quantized:
-        if path not in ("int8", "int4") and not Path(path).exists():
+        if not in_memory(path) and not Path(path).exists():
             refuse(f"{path} does not exist")
     if args.groupsize not in quantize.GROUPSIZES:
         refuse(f"--groupsize must be one of {quantize.GROUPSIZES}")

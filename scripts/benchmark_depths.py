@@ -42,7 +42,7 @@ def depths_main(args):
     if depths[-1] + n > model.config.block_size:
         raise UserError(f"depth {depths[-1]} and {n} new tokens exceed the model's context of {model.config.block_size}: "
                         f"ask for shallower --depths or fewer --max_new_tokens")
-    decode.compile_steps(dynamic_prefill=True)
+    steps = gen.compiled_steps(dynamic_prefill=True)
     models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
@@ -62,10 +62,10 @@ def depths_main(args):
                 m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
                                kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
                 own = dict(depth=shallow, cache_positions=m.max_seq_length,
-                           ms_per_token=decode_ms_at_depth(m, shallow, n, args))
+                           ms_per_token=decode_ms_at_depth(m, shallow, n, args, steps))
             m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
-            ms = [decode_ms_at_depth(m, d, n, args) for d in depths]
-            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args)
+            ms = [decode_ms_at_depth(m, d, n, args, steps) for d in depths]
+            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args, steps)
             mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
             row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
                        ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
@@ -92,7 +92,7 @@ def depths_main(args):
         write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
 
 
-def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
+def decode_ms_at_depth(model: Transformer, depth: int, n: int, args, steps: decode.Steps) -> float:
     """Median ms per step of n decode steps after a random prompt of `depth` tokens (at least 1), each
     step as generate() takes it; every run starts again from the same depth."""
     prompt = torch.randint(0, model.config.vocab_size, (1, max(depth, 1)), device=args.device)
@@ -102,18 +102,18 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args) -> float:
         fill_at_random(model)
         first = torch.zeros((1, 1), dtype=torch.long, device=args.device)  # strides as prefill's token
     else:
-        first = decode.prefill(model, prompt, length)
+        first = decode.prefill(model, prompt, length, steps)
 
-    def steps():
+    def decode_n():
         token = first
         for i in range(n):
             keys = decode.key_positions(model, prompt.shape[1] + i + 1)
-            token = decode.decode_one_token(model, token, length[:, None] + i, keys)
+            token = steps.decode_one_token(model, token, length[:, None] + i, keys)
 
-    steps()  # compiles, the first time
+    decode_n()  # compiles, the first time
     gen.synchronize(args.device)
     first_s = time.perf_counter() - start
-    ms = statistics.median(timed(steps, args.device) for _ in range(args.runs)) / n * 1e3
+    ms = statistics.median(timed(decode_n, args.device) for _ in range(args.runs)) / n * 1e3
     # a line as each depth is done, for a run cut short (a lent GPU's minutes) and to show compile time
     what = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
     print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({what} "
@@ -134,14 +134,14 @@ def fill_at_random(model: Transformer):
                 buffer.copy_(torch.randn(buffer.shape, device=buffer.device))
 
 
-def prefill_at_depth(model: Transformer, depth: int, args) -> tuple[float, float]:
+def prefill_at_depth(model: Transformer, depth: int, args, steps: decode.Steps) -> tuple[float, float]:
     """Prefill tok/s of a random prompt of `depth` tokens (median of runs), and the most memory it took
     beyond what was held before it (MB): activations, bounded by the chunk whatever the prompt."""
     prompt = torch.randint(0, model.config.vocab_size, (1, depth), device=args.device)
     length = torch.tensor([depth], device=args.device)
-    decode.prefill(model, prompt, length)  # compiles, the first time
+    decode.prefill(model, prompt, length, steps)  # compiles, the first time
     before = memory_in_use(args.device, reset_peak=True)
-    seconds = statistics.median(timed(lambda: decode.prefill(model, prompt, length), args.device)
+    seconds = statistics.median(timed(lambda: decode.prefill(model, prompt, length, steps), args.device)
                                 for _ in range(args.runs))
     return depth / seconds, (memory_in_use(args.device, peak=True) - before) / 1e6
 

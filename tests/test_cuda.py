@@ -24,7 +24,7 @@ import decode
 import quantize
 import speculative
 import tp
-from generate import generate
+from generate import compiled_steps, generate
 from model import ModelArgs, Transformer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,11 +55,6 @@ def quantized(model: Transformer, mode: str) -> Transformer:
 def fresh_compilation():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    yield
-    decode.decode_one_token, decode.prefill_chunk = DECODE_ONE_TOKEN, PREFILL_CHUNK
-
-
-DECODE_ONE_TOKEN, PREFILL_CHUNK = decode.decode_one_token, decode.prefill_chunk
 
 
 def prompts(lengths, vocab=SMALL["vocab_size"]) -> list[torch.Tensor]:
@@ -72,10 +67,10 @@ def test_compiled_decode_uses_cuda_graphs_without_recompiling_or_syncing():
     model = random_model()
     eager = [generate(model, p, 24, temperature=0) for p in prompts([7, 50, 300])]
     model.setup_caches(1, 1024)  # one cache for the three: decoding at depths in two blocks of slots
-    decode.compile_steps(dynamic_prefill=True)
-    compiled = [generate(model, prompts([7])[0], 24, temperature=0)]
+    steps = compiled_steps(dynamic_prefill=True)
+    compiled = [generate(model, prompts([7])[0], 24, temperature=0, steps=steps)]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled += [generate(model, p, 24, temperature=0) for p in prompts([7, 50, 300])[1:]]
+    compiled += [generate(model, p, 24, temperature=0, steps=steps) for p in prompts([7, 50, 300])[1:]]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     for e, c, n in zip(eager, compiled, [7, 50, 300]):  # bf16: compiled code rounds differently from eager
@@ -84,10 +79,10 @@ def test_compiled_decode_uses_cuda_graphs_without_recompiling_or_syncing():
     token, pos = compiled[0][-1:].view(1, 1).cuda(), torch.tensor([[40]], device="cuda")
     keys, sampling = decode.key_positions(model, 41), dict(temperature=0, top_k=None, top_p=None)
     for _ in range(2):
-        decode.decode_one_token(model, token, pos, keys, **sampling)
+        steps.decode_one_token(model, token, pos, keys, **sampling)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        decode.decode_one_token(model, token, pos, keys, **sampling)
+        steps.decode_one_token(model, token, pos, keys, **sampling)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -98,11 +93,11 @@ def test_compiled_prefill_takes_any_length_in_one_graph():
     model.setup_caches(1, 1024)
     batch = prompts([9, 100, 600])  # 600: three chunks
     lengths = [torch.tensor([len(p)], device="cuda") for p in batch]
-    eager = [decode.prefill_logits(model, p[None], n) for p, n in zip(batch, lengths)]
-    decode.compile_steps(dynamic_prefill=True)
-    compiled = [decode.prefill_logits(model, batch[0][None], lengths[0])]
+    eager = [decode.prefill_logits(model, p[None], n, decode.EAGER) for p, n in zip(batch, lengths)]
+    steps = compiled_steps(dynamic_prefill=True)
+    compiled = [decode.prefill_logits(model, batch[0][None], lengths[0], steps)]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled += [decode.prefill_logits(model, p[None], n) for p, n in zip(batch[1:], lengths[1:])]
+    compiled += [decode.prefill_logits(model, p[None], n, steps) for p, n in zip(batch[1:], lengths[1:])]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-3)
@@ -126,7 +121,7 @@ def test_quantized_kernels_match_their_dequantized_weights(mode, n, k):
         m = quantize.Int4Linear(k, n, groupsize, device="cuda")
         m.weight, m.scales, m.mins = quantize.rtn_int4(F.pad(w, (0, m.padded_in - k)), groupsize)
         reference = quantize.dequantize_int4(m.weight, m.scales, m.mins)[:, :k]
-    quantize.pack_for_device(m)
+    quantize.pack_for_device(m, quantize.SCHEMES[mode].from_options(groupsize))
     int8 = "triton" if quantize.kernels else "dequantize"  # without Triton, inductor fuses the conversion
     assert m.kernel == (int8 if mode == "int8" else "cuda")
     step = torch.compile(m, fullgraph=True)
@@ -147,8 +142,7 @@ def test_quantized_models_decode_compiled(mode):
     into the compiled product rounds differently from eager's (on an H200 the 4th token parted)."""
     model = quantized(random_model(), mode)
     prompt = prompts([20])[0]
-    decode.compile_steps()
-    tokens = generate(model, prompt, 16, temperature=0)
+    tokens = generate(model, prompt, 16, temperature=0, steps=compiled_steps())
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert_greedy_up_to_rounding(model, tokens, len(prompt))
 
@@ -166,11 +160,10 @@ def assert_greedy_up_to_rounding(model: Transformer, tokens: torch.Tensor, n: in
 @torch.no_grad()
 def test_sampling_is_seeded_and_stays_in_the_top_k():
     model = random_model()
-    decode.compile_steps()
     runs = []
     for _ in range(2):
         torch.manual_seed(5)
-        runs.append(generate(model, prompts([12])[0], 20, temperature=0.8, top_k=5))
+        runs.append(generate(model, prompts([12])[0], 20, temperature=0.8, top_k=5, steps=compiled_steps()))
     assert torch.equal(runs[0], runs[1])
     logits = torch.randn(4, 100, device="cuda")
     drawn = torch.cat([decode.sample(logits, temperature=1.0, top_k=3) for _ in range(50)], dim=1)
@@ -198,12 +191,10 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens(drafter):
     batch = prompts([30, 45])
     batch[1][-12:] = batch[1][10:22]  # something for prompt lookup to find
     plain = generate(target, batch, 24, temperature=0)
-    decode.compile_steps()
-    speculative.compile_steps()
     torch.manual_seed(2)
     head = speculative.DraftHead(speculative.DraftHead.config_for(target.config, 512), torch.arange(512)).cuda().eval()
     for out, ref in zip(generate(target, batch, 24, temperature=0, drafter=DRAFTERS[drafter](draft, head),
-                                 speculate_k=4), plain):
+                                 speculate_k=4, steps=compiled_steps()), plain):
         assert torch.equal(out, ref)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
@@ -218,14 +209,14 @@ def test_scaled_kv_caches_stay_near_the_bf16_one(kv_cache_dtype):
     logits = {}
     for dtype in (None, kv_cache_dtype):
         model.setup_caches(1, 512, kv_cache_dtype=dtype)
-        decode.prefill_logits(model, prompt, torch.tensor([300], device="cuda"))
+        decode.prefill_logits(model, prompt, torch.tensor([300], device="cuda"), decode.EAGER)
         logits[dtype] = model(prompt[:, -1:], torch.tensor([[300]], device="cuda"),
                               key_positions=decode.key_positions(model, 301))
     reference = logits[None]
     assert ((logits[kv_cache_dtype] - reference).abs().max() / reference.abs().max()).item() <= 0.05
-    decode.compile_steps()
     model.setup_caches(1, 512, kv_cache_dtype=kv_cache_dtype)
-    tokens = generate(model, prompts([40])[0], 16, temperature=0, kv_cache_dtype=kv_cache_dtype)  # compiled
+    tokens = generate(model, prompts([40])[0], 16, temperature=0, kv_cache_dtype=kv_cache_dtype,
+                      steps=compiled_steps())
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert_greedy_up_to_rounding(model, tokens, 40)  # the eager forward on the same scaled cache
 
@@ -288,8 +279,7 @@ def test_nccl_all_reduce_inside_the_compiled_step(monkeypatch):
         sharded.load_state_dict(plain.state_dict(), assign=True)
         prompt = prompts([25])[0]
         expected = generate(plain, prompt, 16, temperature=0)
-        decode.compile_steps()
-        assert torch.equal(generate(sharded.eval(), prompt, 16, temperature=0), expected)
+        assert torch.equal(generate(sharded.eval(), prompt, 16, temperature=0, steps=compiled_steps()), expected)
         assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     finally:
         dist.destroy_process_group()

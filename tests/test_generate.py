@@ -51,37 +51,50 @@ def test_per_row_positions_match_each_row_alone(model_fp32):
     torch.testing.assert_close(per_row[1], alone[1][1:4], atol=2e-4, rtol=1e-4)
 
 
-def test_compiled_decode_equals_eager(bundled_checkpoint, monkeypatch):
+def test_compiled_decode_equals_eager(bundled_checkpoint):
     model = load_model(bundled_checkpoint, "cpu", "bf16")
     prompt = encode(bundled_checkpoint, PROMPTS[2:])[0]
     eager = generate(model, prompt, 24, temperature=0)
-    monkeypatch.setattr(decode, "decode_one_token", decode.decode_one_token)  # restored after the test
-    monkeypatch.setattr(decode, "prefill_chunk", decode.prefill_chunk)
     assert type(model.output) is cpu_decode.FewRowLinear  # load_model gave the model its CPU forms
-    decode.compile_steps()
-    step = decode.decode_one_token
-    decode.compile_steps()  # as a benchmark's second rung does: the step compiled already is kept
-    assert decode.decode_one_token is step
-    compiled = generate(model, prompt, 24, temperature=0)
+    steps = gen.compiled_steps()
+    assert gen.compiled_steps(dynamic_prefill=False) is steps  # as a benchmark's second rung asks: compiled already
+    compiled = generate(model, prompt, 24, temperature=0, steps=steps)
     assert compiled.tolist() == eager.tolist()
     # a second call reuses the compiled graph and the cache
-    assert generate(model, prompt, 24, temperature=0).tolist() == eager.tolist()
+    assert generate(model, prompt, 24, temperature=0, steps=steps).tolist() == eager.tolist()
 
 
 @torch.no_grad()
-def test_chunked_prefill_equals_one_forward(model_fp32, monkeypatch):
+def test_compiled_steps_leave_decode_plain_and_give_eager_tokens():
+    """generate.compiled_steps() is a value and rebinds nothing: decode's functions stay the plain ones (what
+    `from decode import decode_one_token` reads is what runs), and generate() runs the compiled steps only
+    when given them, with the default's tokens (a tiny random model, fp32)."""
+    plain = decode.decode_one_token
+    steps = gen.compiled_steps()
+    assert decode.decode_one_token is plain and decode.EAGER.decode_one_token is plain
+    assert steps.decode_one_token is not plain
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=128)).eval()
+    cpu_decode.apply(model)  # as load_model gives it
+    prompt = torch.randint(0, 64, (7,))
+    eager = generate(model, prompt, 6, temperature=0)
+    assert generate(model, prompt, 6, temperature=0, steps=steps).tolist() == eager.tolist()
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_one_forward(model_fp32):
     """Prompts prefilled 8 positions a forward (3 forwards for 17: 8, 7 and 2, since a last chunk of
     one position takes one more) leave the logits and the cache of one forward over all of them (fp32),
     with rows ending before, on and after chunk boundaries."""
     lengths = torch.tensor([7, 8, 9, 17])
     idx = torch.randint(0, 1000, (4, 17), generator=torch.Generator().manual_seed(0))
-    forwards, forward = [], decode.prefill_chunk
-    monkeypatch.setattr(decode, "prefill_chunk", lambda model, ids, *args: forwards.append(ids.shape[1]) or
-                        forward(model, ids, *args))
+    forwards = []
+    counted = decode.Steps(prefill_chunk=lambda model, ids, *args: forwards.append(ids.shape[1]) or
+                           decode.prefill_chunk(model, ids, *args))
     results = []
     for chunk in (8, 64):
         model_fp32.setup_caches(4, 64, chunk)
-        logits = decode.prefill_logits(model_fp32, idx, lengths)
+        logits = decode.prefill_logits(model_fp32, idx, lengths, counted)
         caches = [layer.attention.kv_cache.k_cache.clone() for layer in model_fp32.layers[::10]]
         results.append((logits, [[c[row, :, :n] for row, n in enumerate(lengths)] for c in caches]))
     (chunked, chunked_caches), (whole, whole_caches) = results
@@ -93,8 +106,8 @@ def test_chunked_prefill_equals_one_forward(model_fp32, monkeypatch):
 
 
 @pytest.mark.parametrize("attention_softcap", [None, 50.0])  # soft-capped scores: attention written out
-def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_softcap, monkeypatch):
-    """compile_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
+def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_softcap):
+    """compiled_steps(dynamic_prefill=True) compiles prefill's forward of one chunk with dynamic
     shapes: prompts of several lengths, each filled in chunks, share one graph, chunks of a few rows
     (which one-row products and verify attention treat apart when their count is static) included, and
     prompts of one token and last chunks of one position (a dynamic size of 1 would be specialized: a
@@ -107,14 +120,13 @@ def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_soft
                                   attention_softcap=attention_softcap))
     cpu_decode.apply(model.eval())  # as load_model does
     graphs = []
-    monkeypatch.setattr(decode, "prefill_chunk", torch.compile(
+    steps = decode.Steps(prefill_chunk=torch.compile(  # as compiled_steps(dynamic_prefill=True)'s, graphs counted
         decode.prefill_chunk, fullgraph=True, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm))
     lengths = (1, 10, 13, 17, 20, 30, 33, 40)  # chunks of 16, and last chunks of 1 to 14
     drafters = (None, speculative.PromptLookup())
-    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16, drafter=drafter)
+    outputs = [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16, drafter=drafter, steps=steps)
                for n in lengths for drafter in drafters]
     assert len(graphs) == 1
-    monkeypatch.undo()
     assert [o.tolist() for o in outputs] == [generate(model, torch.arange(n) % 64, 3, temperature=0, prefill_chunk=16,
                                                       drafter=drafter).tolist() for n in lengths for drafter in drafters]
 
@@ -489,7 +501,7 @@ def test_cli_speculative_prints_acceptance():
 def test_compiled_runs_of_other_lengths_share_one_cache_length(monkeypatch):
     """--compile sizes the cache to a power of two of at least 1024 positions: runs with other prompts
     and --max_new_tokens then find the graphs an earlier run compiled (the compiling left out here)."""
-    monkeypatch.setattr(decode, "compile_steps", lambda **kwargs: None)
+    monkeypatch.setattr(gen, "compiled_steps", lambda dynamic_prefill=False: decode.EAGER)
     made, make = [], model.KVCache.__init__
     monkeypatch.setattr(model.KVCache, "__init__", lambda self, *args: made.append(args[1]) or make(self, *args))
     for prompt, n in (("Hi", "8"), ("Tell me a story about a dragon and a knight.", "40")):

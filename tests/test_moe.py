@@ -25,18 +25,12 @@ def tiny_moe(mode: str | None) -> Transformer:
             m.router.weight.data.mul_(10)  # clear choices
     if mode is None:
         return model
-    scheme = {"mode": mode, "groupsize": 32}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.removesuffix(".weight") in quantize.linear_names(model):
-            specs, make = quantize.quantized_group(name, lambda t=tensor: t, tuple(tensor.shape), scheme)
-            state.update(zip([spec[0] for spec in specs], make()))
-        else:
-            state[name] = tensor
+    scheme = quantize.SCHEMES[mode].from_options(groupsize=32)
+    state = quantize.quantized_state_dict(model, scheme)
     quantize.swap_linears(model, scheme)
     # as a fp32 model loads: floating tensors in fp32 (the file keeps bf16)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, assign=True)
-    quantize.pack_for_device(model)
+    quantize.pack_for_device(model, scheme)
     return model
 
 

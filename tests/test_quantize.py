@@ -1,8 +1,10 @@
 """Weight-only quantization: the kernels against dequantize-then-matmul, the layouts, quantized
-checkpoints of the bundled model end to end, bad input, and the memory a quantized load takes.
+checkpoints of the bundled model end to end (older metadata too), a scheme the test adds on its own, bad
+input, and the memory a quantized load takes.
 
 The kernel checks draw fresh random data on every run (no seed): their bounds hold for any data."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +17,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import quantize
-from checkpoint import CONFIG_NAME, load_config
+from checkpoint import (CHECKPOINT_NAME, CONFIG_NAME, copy_companions, load_config, read_metadata, read_safetensors,
+                        single, write_safetensors)
 from errors import UserError
-from generate import get_tokenizer, load_model, weight_bytes_per_token
+from generate import generate, get_tokenizer, load_model, weight_bytes_per_token
+from model import ModelArgs, Transformer
 from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
                       unpack_int4)
 
@@ -51,7 +55,7 @@ def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
     q, scales = quantize_int8(random_weight(n, k))
     m = Int8Linear(k, n)
     m.weight, m.scales = q, scales  # what load_state_dict(assign=True) does
-    quantize.pack_for_device(m)
+    quantize.pack_for_device(m, quantize.Int8())
     return m, q.float() * scales.float()[:, None]
 
 
@@ -134,7 +138,7 @@ def int4_cases():
 
 
 def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tensor]:
-    """An Int4Linear filled as loading fills it (quantized as quantize.quantized_group does: k
+    """An Int4Linear filled as loading fills it (quantized as quantize.Int4.group does: k
     zero-padded to whole groups), and its dequantized fp32 weight (n, k)."""
     m = Int4Linear(k, n, groupsize)
     assert m.padded_in == -(-k // groupsize) * groupsize
@@ -268,10 +272,17 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a, b, dim=0).item()
 
 
+# The "quantization" metadata quantize.py writes (int4: at groupsize 32), word for word as older checkpoints carry
+# it: they must keep loading
+METADATA = {"int8": '{"mode": "int8", "method": "int8", "head": "int8"}',
+            "int4": '{"mode": "int4", "groupsize": 32, "method": "int4", "head": "int8"}'}
+
+
 def check_file(path: Path, mode: str, groupsize: int):
     """The scheme is in the metadata; the tensors are stored in its layout."""
     c = load_config(path)
     with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["quantization"] == METADATA[mode]
         scheme = json.loads(f.metadata()["quantization"])
         assert scheme["mode"] == mode
         head, wo = f.get_slice("output.weight"), f.get_slice("layers.0.attention.wo.weight")
@@ -317,6 +328,108 @@ def test_int4_checkpoint_end_to_end(int4_file, prompt_ids, reference):
     # measured 0.9999 and 0.9994, closer than int8: the bundled weights come from a Q4_1 GGUF
     # (asymmetric 4-bit in groups of 32), which int4 g32 nearly reproduces
     check_logits(model, prompt_ids, reference)
+
+
+@pytest.mark.parametrize("which,metadata", [
+    ("int8_file", METADATA["int8"]),
+    ("int8_file", '{"mode": "int8", "groupsize": 32, "method": "int8", "head": "int8"}'),  # quantize.py's first files
+    ("int4_file", '{"mode": "int4", "groupsize": 32, "method": "int4-gptq", "head": "int8"}'),  # GPTQ: int4's layout
+])
+def test_a_checkpoint_with_older_metadata_loads(which, metadata, request, tmp_path, prompt_ids):
+    """One of our files under metadata as quantize.py has written it loads into the same model, and what
+    this version would write for its scheme says nothing else."""
+    path = request.getfixturevalue(which)
+    tensors, file_metadata = read_safetensors(path)
+    older = tmp_path / "weights.safetensors"
+    write_safetensors(older, [single(name, t.dtype, t.shape, lambda t=t: t) for name, t in tensors.items()],
+                      {**file_metadata, "quantization": metadata})
+    copy_companions(path, tmp_path)
+    assert quantize.read_scheme(read_metadata(older)).metadata().items() <= json.loads(metadata).items()
+    ours, theirs = load_model(path, "cpu", "bf16"), load_model(older, "cpu", "bf16")
+    assert [type(m) for m in theirs.modules()] == [type(m) for m in ours.modules()]
+    assert torch.equal(logits(theirs, prompt_ids)[0], logits(ours, prompt_ids)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# A new scheme is one class and an entry in quantize.SCHEMES: this one, the test's own, int8 with one
+# scale a weight
+
+
+class TensorInt8(quantize.Scheme):
+    """int8 with one scale for the whole weight, in a module of its own (no kernel to choose)."""
+
+    method = layout = "int8-tensor"
+
+    class Linear(torch.nn.Module):
+        def __init__(self, in_features: int, out_features: int, device=None):
+            super().__init__()
+            self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+            self.register_buffer("scale", torch.empty((), dtype=torch.bfloat16, device=device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def group(self, name: str, read, shape: tuple):
+        base = name.removesuffix(".weight")
+
+        def make():
+            w = read().float()
+            scale = (w.abs().max() / 127).bfloat16()
+            return torch.round(w / scale.float()).clamp(-127, 127).to(torch.int8), scale
+
+        return [(f"{base}.weight", torch.int8, shape), (f"{base}.scale", torch.bfloat16, ())], make
+
+    def module(self, old: torch.nn.Linear) -> torch.nn.Module:
+        return self.Linear(old.in_features, old.out_features, old.weight.device)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path) -> Path:
+    """A 2-layer model with random weights, as a checkpoint in fp32: quantizing the file and quantizing the
+    model loaded from it in fp32 start from the same numbers."""
+    config = ModelArgs(vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128,
+                       block_size=64)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config.__dict__))
+    torch.manual_seed(0)
+    state = Transformer(config).state_dict()
+    write_safetensors(tmp_path / CHECKPOINT_NAME, [single(name, t.dtype, t.shape, lambda t=t: t)
+                                                   for name, t in state.items()])
+    return tmp_path / CHECKPOINT_NAME
+
+
+def decode_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of a prefill of tokens[:4], then of a decode step for each token after it."""
+    model.setup_caches(1, 64)
+    with torch.no_grad():
+        steps = [model(tokens[None, :4], torch.arange(4))[0, -1]]
+        steps += [model(tokens[p: p + 1][None], torch.tensor([p]))[0, -1] for p in range(4, len(tokens))]
+    return torch.stack(steps).float()
+
+
+def test_a_new_scheme_is_a_class_and_an_entry(monkeypatch, tiny_checkpoint):
+    """Registered, and nothing else: quantize() writes it, load_model() loads it into its modules and
+    decodes as the unquantized model does, and the benchmark quantizes a model to it in memory."""
+    monkeypatch.setitem(quantize.SCHEMES, "int8-tensor", TensorInt8)
+    path = quantize.quantize(tiny_checkpoint, "int8-tensor")
+    assert read_metadata(path)["quantization"] == '{"mode": "int8-tensor", "method": "int8-tensor", "head": "int8"}'
+    reference, quantized = load_model(tiny_checkpoint, "cpu", "fp32"), load_model(path, "cpu", "fp32")
+    linears = {name: type(m) for name, m in quantized.named_modules()
+               if name.endswith(("wqkv", "wo", "w13", "w2", "output"))}
+    assert linears.pop("output") is Int8Linear and list(linears.values()) == [TensorInt8.Linear] * 8
+
+    tokens = generate(reference, torch.tensor([1, 2, 3, 4]), 8)  # greedy
+    ours, theirs = decode_logits(quantized, tokens), decode_logits(reference, tokens)
+    assert (F.cosine_similarity(ours, theirs, dim=-1) > 0.999).all()
+    assert torch.equal(ours.argmax(-1)[:-1], tokens[4:])
+
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    in_memory = benchmark.quantized_copy(reference, reference.config, "int8-tensor", 32)
+    assert {name: type(m) for name, m in in_memory.named_modules() if name in linears} == linears
+    for name in [*linears, "output"]:  # the same quantized tensors as the file's
+        for key, t in in_memory.get_submodule(name).state_dict().items():
+            assert torch.equal(t.float(), quantized.get_submodule(name).state_dict()[key].float()), (name, key)
 
 
 # ---------------------------------------------------------------------------------------------

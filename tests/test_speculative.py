@@ -10,7 +10,7 @@ import cpu_decode
 import decode
 import speculative
 from errors import UserError
-from generate import generate, get_tokenizer, load_model
+from generate import compiled_steps, generate, get_tokenizer, load_model
 from model import ModelArgs, Transformer
 from speculative import DraftModel, PromptLookup
 
@@ -161,7 +161,7 @@ def test_each_token_of_a_tree_sees_its_path():
         model.setup_caches(1, 64)
         model(text[:, :-1], torch.arange(L - 1))
         pos = L - 1 + torch.arange(x.shape[1])[None]
-        step = torch.compile(speculative.target_step, fullgraph=True, dynamic=False)
+        step = torch.compile(decode.target_step, fullgraph=True, dynamic=False)
         compiled, _ = step(model, x, pos, decode.key_positions(model, L + x.shape[1]), tree)
         torch.testing.assert_close(compiled, logits, rtol=1e-4, atol=1e-4)
 
@@ -426,22 +426,17 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
 
 
 @torch.no_grad()
-def test_compiled_steps_give_plain_greedy(monkeypatch):
+def test_compiled_steps_give_plain_greedy():
     """What `generate.py --compile --draft ...` runs on CPU: the compiled decode, draft and verify steps
     (fp32) give plain greedy's tokens, with prompt lookup and with a draft model in the target's caches."""
-    for module, names in ((decode, ["decode_one_token", "prefill_chunk"]),
-                          (speculative, ["draft_step", "head_step", "target_step"])):
-        for name in names:
-            monkeypatch.setattr(module, name, getattr(module, name))  # the eager steps again after the test
     torch.manual_seed(0)
     target = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=256)).eval()
     cpu_decode.apply(target)  # as load_model gives it
     prompts = [torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), torch.randint(0, 64, (13,))]
     plain = generate(target, prompts, 24, temperature=0)
-    decode.compile_steps()
-    speculative.compile_steps()
+    steps = compiled_steps()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for drafter in (PromptLookup(), DraftModel(copy.deepcopy(target))):
-        spec = generate(target, prompts, 24, temperature=0, drafter=drafter, speculate_k=3)
+        spec = generate(target, prompts, 24, temperature=0, drafter=drafter, speculate_k=3, steps=steps)
         assert [s.tolist() for s in spec] == [p.tolist() for p in plain], drafter
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 3  # plain, verify and draft steps
