@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from errors import UserError
+from moe import MoEFeedForward
 
 # The fused attention kernels this code is tested with (tests/test_cuda.py checks them against the
 # math backend). Not cuDNN's, which PyTorch 2.11 prefers on H100, and which has had reports of wrong
@@ -201,30 +202,6 @@ class Transformer(nn.Module):
         weight = self.output.weight
         return weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
 
-    def share_caches(self, other: "Transformer") -> bool:
-        """Take other's KV caches (sliding-window rings included) and the position and RoPE tables made
-        with them as this model's own, where they fit it: the same config, dtype and device (a quantized
-        copy). Other must be set up; this model then needs no caches of its own. Returns whether they fit."""
-        if (self.config, self.activation_dtype(), self.output.weight.device) != (
-                other.config, other.activation_dtype(), other.output.weight.device):
-            return False
-        for layer, source in zip(self.layers, other.layers):
-            layer.attention.kv_cache = source.attention.kv_cache
-        for name in ("positions", "ring_positions", "rope_cache", "local_rope_cache", "embedding_scale"):
-            if hasattr(other, name):  # the tables setup_caches made with the caches
-                self.register_buffer(name, getattr(other, name), persistent=False)
-        self.max_batch_size, self.chunk, self.kv_cache_dtype = other.max_batch_size, other.chunk, other.kv_cache_dtype
-        self.max_seq_length, self.made_for = other.max_seq_length, other.made_for
-        return True
-
-    def move_cache_entries(self, source: Tensor, target: Tensor):
-        """Each row's keys and values at slot source (B,) are copied to slot target (B,), in every
-        layer's full cache: a draft the tree verified in a slot of its own goes where its position is."""
-        rows = torch.arange(source.shape[0], device=source.device)
-        for layer in self.layers:
-            for buffer in layer.attention.kv_cache.buffers():
-                buffer[rows, :, target] = buffer[rows, :, source]
-
     def forward(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None) -> Tensor:
         """idx: (B, T) token ids; input_pos: (T,) positions shared by the batch, or (B, T) per row.
         Returns logits (B, T, vocab_size).
@@ -326,7 +303,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelArgs, layer: int):
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = MoEFeedForward(config) if config.is_moe(layer) else FeedForward(config)
+        activation = ACTIVATIONS[config.activation]
+        self.feed_forward = (MoEFeedForward(config, activation) if config.is_moe(layer)
+                             else FeedForward(config, activation))
         norm = lambda: RMSNorm(config.dim, config.norm_eps, config.norm_offset)  # noqa: E731
         self.attention_norm, self.ffn_norm = norm(), norm()
         self.post_attention_norm = norm() if config.sandwich_norms else nn.Identity()
@@ -416,87 +395,15 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, activation):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # rows: gate, then up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
-        self.activation = ACTIVATIONS[config.activation]
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(self.activation(gate) * up)
-
-
-class MoEFeedForward(nn.Module):
-    """n_experts gated MLPs, of which each token goes through the n_active_experts that its router
-    rates highest; their outputs are summed, weighted by the router's probabilities."""
-
-    def __init__(self, config: ModelArgs):
-        super().__init__()
-        self.n_experts, self.top_k = config.n_experts, config.n_active_experts
-        self.normalize = config.normalize_expert_weights
-        hidden = config.moe_intermediate_size
-        self.router = nn.Linear(config.dim, config.n_experts, bias=False)
-        self.w13 = ExpertLinears(config.n_experts, config.dim, 2 * hidden)  # rows of each: gate, then up
-        self.w2 = ExpertLinears(config.n_experts, hidden, config.dim)
-        self.activation = ACTIVATIONS[config.activation]
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape, k = x.shape, self.top_k
-        x = x.reshape(-1, shape[-1])  # (N, dim)
-        probs = self.router(x).float().softmax(-1)  # (N, n_experts)
-        weights, experts = probs.topk(k, dim=-1)  # (N, k) each
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        experts = experts.view(-1)  # (N * k,): one (token, expert) pair each, token p // k
-        if experts.shape[0] <= self.n_experts:  # a few tokens (decoding): each pair reads its expert's weights
-            y = self.mlp(x[torch.arange(experts.shape[0], device=x.device) // k], experts)
-        else:  # the pairs sorted by expert, so that a grouped product reads each expert's weights once
-            order = experts.argsort(stable=True)
-            ends = (experts.unsqueeze(1) == torch.arange(self.n_experts, device=x.device)).sum(0).cumsum(0)
-            y = self.mlp(x[order // k], experts[order], ends.int())
-            y = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
-        return (y.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
-
-    def mlp(self, x: Tensor, experts: Tensor, ends: Tensor | None = None) -> Tensor:
-        """Each row of x (P, dim) through the expert of its pair (P,) -> (P, dim)."""
-        gate, up = self.w13(x, experts, ends).chunk(2, dim=-1)
-        return self.w2(self.activation(gate) * up, experts, ends)
-
-
-class ExpertLinears(nn.Module):
-    """One linear layer of every expert, stacked: weight (n_experts, out_features, in_features)."""
-
-    # In compiled code, rows (P, in) times their experts' weights (P, out, in) -> (P, out) as a
-    # multiply-and-sum: one pass that gathers the weights as it reads them, never a copy of them.
-    # cpu_decode.py swaps in its CPU form of the same.
-    product = staticmethod(lambda x, w: (x.unsqueeze(-2).float() * w.float()).sum(-1))
-
-    def __init__(self, n_experts: int, in_features: int, out_features: int):
-        super().__init__()
-        bound = in_features ** -0.5  # nn.Linear's initial range, for a model that is built, not loaded
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features).uniform_(-bound, bound))
-
-    def forward(self, x: Tensor, experts: Tensor, ends: Tensor | None = None) -> Tensor:
-        """x (P, in) -> (P, out), row p through the layer of expert experts[p]. With ends (n_experts,),
-        the rows are sorted by expert, expert e's ending at row ends[e], and one grouped product reads
-        each expert's weights once; without, each row reads its own expert's (for a few rows)."""
-        if ends is not None:
-            w = self.expert_weights(None, x.dtype).transpose(1, 2)  # (n_experts, in, out)
-            if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
-                return torch._grouped_mm(x, w, offs=ends)
-            # compiled code traces grouped products in bf16 only: in another dtype (fp32, in tests) every
-            # expert's product over all rows, of which each row keeps its own expert's
-            return (x @ w)[experts, torch.arange(x.shape[0], device=x.device)]
-        w = self.expert_weights(experts, x.dtype)  # (P, out, in)
-        if torch.compiler.is_compiling():
-            return self.product(x, w).to(x.dtype)
-        return torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
-
-    def expert_weights(self, experts: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """The weights of experts (P,), or of all of them for None, in dtype: (P or n_experts, out, in).
-        Quantized layers (quantize.py) dequantize here."""
-        return (self.weight if experts is None else self.weight[experts]).to(dtype)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

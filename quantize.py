@@ -37,7 +37,8 @@ from checkpoint import (Group, Spec, copy_companions, load_config, read_metadata
                         single, write_safetensors)
 from cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from errors import UserError, run_cli
-from model import ExpertLinears, KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
+from model import KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
+from moe import ExpertLinears
 from tokenizer import load_tokenizer
 
 try:  # Triton's int8 products of a few rows on a GPU; PyTorch's CUDA wheels bring Triton, its CPU wheels do not

@@ -79,7 +79,7 @@ class DraftModel(Drafter):
             raise UserError(f"the draft model's vocabulary ({self.model.config.vocab_size} tokens) is not the "
                             f"target's ({target.config.vocab_size}): they must share a tokenizer")
         self.last_position, self.steps = cache_length - 1, steps
-        self.shares_caches = self.model.share_caches(target)  # each call: the target's may be new ones
+        self.shares_caches = share_caches(self.model, target)  # each call: the target's may be new ones
         if not self.shares_caches:
             self.model.setup_caches(tokens.shape[0], cache_length, target.chunk, target.kv_cache_dtype)
             T = int(prompt_lengths.max())
@@ -272,6 +272,33 @@ class HeadDrafter(Drafter):
 
     def accepted(self, n, active, states):
         self.verified = states, self.lengths  # verified at positions lengths - 1 ...: the head's at lengths ...
+
+
+def share_caches(model: Transformer, other: Transformer) -> bool:
+    """Give model other's KV caches (sliding-window rings included) and the position and RoPE tables made
+    with them, where they fit it: the same config, dtype and device (a quantized copy, drafting in the
+    target's caches). Other must be set up; model then needs no caches of its own. Returns whether they fit."""
+    if (model.config, model.activation_dtype(), model.output.weight.device) != (
+            other.config, other.activation_dtype(), other.output.weight.device):
+        return False
+    for layer, source in zip(model.layers, other.layers):
+        layer.attention.kv_cache = source.attention.kv_cache
+    for name in ("positions", "ring_positions", "rope_cache", "local_rope_cache", "embedding_scale"):
+        if hasattr(other, name):  # the tables setup_caches made with the caches
+            model.register_buffer(name, getattr(other, name), persistent=False)
+    model.max_batch_size, model.chunk, model.kv_cache_dtype = other.max_batch_size, other.chunk, other.kv_cache_dtype
+    model.max_seq_length, model.made_for = other.max_seq_length, other.made_for
+    return True
+
+
+def move_cache_entries(model: Transformer, source: Tensor, target: Tensor):
+    """Each row's keys and values at slot source (B,) copied to slot target (B,), in every layer's full
+    cache: a draft the tree verified in a slot of its own goes where its position is."""
+    rows = torch.arange(source.shape[0], device=source.device)
+    for layer in model.layers:
+        for buffer in layer.attention.kv_cache.buffers():
+            buffer[rows, :, target] = buffer[rows, :, source]
+
 
 
 def draft_token(logits: Tensor, sampling: dict) -> tuple[Tensor, Tensor | None]:
@@ -470,7 +497,7 @@ def verify(model: Transformer, cur: Tensor, drafts: Tensor, draft_probs: Tensor 
     path = torch.where(steps == n[:, None], node[:, None], steps)  # (B, k + 1)
     if bool((node != n).any()):  # its keys and values go where its position is
         rows = torch.arange(B, device=x.device)
-        model.move_cache_entries(pos[rows, node], pos[rows, n])
+        move_cache_entries(model, pos[rows, node], pos[rows, n])
     return n, next_token, x.gather(1, path[:, 1:]), states.gather(1, path[..., None].expand(-1, -1, states.shape[2]))
 
 

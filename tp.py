@@ -25,7 +25,8 @@ from torch import Tensor
 
 from checkpoint import fused_parts
 from errors import UserError
-from model import Attention, FeedForward, ModelArgs, MoEFeedForward, RMSNorm, Transformer
+from model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+from moe import MoEFeedForward
 
 
 def maybe_init_distributed(device: str | None = None) -> tuple[int, int]:
@@ -60,7 +61,8 @@ def apply_tp(model: Transformer, rank: int, world: int, groupsize: int | None = 
     full, model.config = model.config, local_config(model.config, world)
     for i, layer in enumerate(model.layers):
         layer.attention = Attention(model.config)
-        layer.feed_forward = (MoEFeedForward if model.config.is_moe(i) else FeedForward)(model.config)
+        layer.feed_forward = (MoEFeedForward if model.config.is_moe(i) else FeedForward)(
+            model.config, layer.feed_forward.activation)
         if model.config.qk_norm and not model.config.qk_norm_per_head:  # norms over all heads (OLMoE)
             layer.attention.q_norm.__class__ = layer.attention.k_norm.__class__ = ShardedRMSNorm
         # the hooks sit on the modules holding wo and w2, so that quantized swaps inside keep them

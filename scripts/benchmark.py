@@ -51,7 +51,8 @@ from shapes import shape  # noqa: E402
 from checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from convert import bundled_gguf, hf_names  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
-from model import ModelArgs, MoEFeedForward, Transformer  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from moe import MoEFeedForward  # noqa: E402
 
 
 def timed(fn, device) -> float:

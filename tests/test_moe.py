@@ -11,7 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 import cpu_decode
 import quantize
-from model import ExpertLinears, ModelArgs, MoEFeedForward, Transformer
+from model import ModelArgs, Transformer
+from moe import ExpertLinears, MoEFeedForward
 
 CONFIG = dict(vocab_size=64, n_layer=2, dim=64, n_head=4, n_local_heads=2, block_size=64, n_experts=8,
               n_active_experts=2, moe_intermediate_size=64)
