@@ -231,6 +231,6 @@ def apply(model: Transformer):
         if type(module) is nn.Linear:
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
-            module.matmul, module.path = attention_product, types.MethodType(attention_path, module)
+            module.product, module.path = attention_product, types.MethodType(attention_path, module)
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

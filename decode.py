@@ -74,27 +74,32 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Ste
     one token is run by the plain prefill_chunk whatever steps holds: compiled prefill specializes a
     dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]
-    positions, last = prompt_positions(lengths, T, model.chunk), lengths - 1
+    positions = prompt_positions(lengths, T, model.chunk)
     forward = steps.prefill_chunk if T > 1 else prefill_chunk
     logits, hidden = None, []
-    for start, end in chunk_bounds(T, model.chunk):
-        in_chunk_last, mine = rows_ending_in(last, start, end)
+    for start, end, in_chunk_last, holds_last in prompt_chunks(lengths - 1, T, model.chunk):
         # copies with strides of their own (a slice keeps the whole row's), so that compiled prefill
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
         ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
         chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, key_positions(model, end))
-        logits = chunk_logits if logits is None else torch.where(mine, chunk_logits, logits)
+        logits = kept(holds_last, chunk_logits, logits)
         if states:
             hidden.append(chunk_states)
     return (logits, torch.cat(hidden, dim=1)) if states else logits
 
 
-def rows_ending_in(last: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
-    """For a chunk of positions start..end - 1 and each row's last position last (B,): the index of
-    that position in the chunk, clamped into it (B,), and whether the chunk holds it (B, 1, 1), as the
-    row's output is kept from the chunk that holds its last position."""
-    return (last - start).clamp(0, end - start - 1), ((last >= start) & (last < end)).view(-1, 1, 1)
+def prompt_chunks(last: Tensor, T: int, chunk: int):
+    """The forwards of a prefill of T positions (chunk_bounds), and what each row keeps of them, its last
+    position being last (B,): (start, end, the index of that position in the chunk, clamped into it (B,),
+    and whether the chunk holds it (B, 1, 1)). A row's output is kept from the chunk that holds it."""
+    for start, end in chunk_bounds(T, chunk):
+        yield start, end, (last - start).clamp(0, end - start - 1), ((last >= start) & (last < end)).view(-1, 1, 1)
+
+
+def kept(holds_last: Tensor, new: Tensor, old: Tensor | None) -> Tensor:
+    """The rows whose last position a chunk holds (prompt_chunks) from its output new, the others from old."""
+    return new if old is None else torch.where(holds_last, new, old)
 
 
 def right_padded(prompts: list[Tensor], width: int, device) -> Tensor:

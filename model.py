@@ -148,7 +148,7 @@ class Transformer(nn.Module):
         self.max_seq_length = -1
         self.chunk = -1
         self.kv_cache_dtype = None
-        self.made_for = None
+        self.caches_made_for = None
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, chunk: int = PREFILL_CHUNK,
                      kv_cache_dtype: torch.dtype | None = None):
@@ -170,12 +170,12 @@ class Transformer(nn.Module):
         settings = (max_batch_size, chunk, kv_cache_dtype)
         # what else the caches and tables were made for: the model's dtype (it may change by .to()),
         # inference tensors or not (no_grad code cannot write into those), Phi-3's RoPE factors
-        made_for = (dtype, torch.is_inference_mode_enabled(), long_rope_factors(c.rope_scaling, max_seq_length))
-        if (settings == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and made_for == self.made_for
+        caches_made_for = (dtype, torch.is_inference_mode_enabled(), long_rope_factors(c.rope_scaling, max_seq_length))
+        if (settings == (self.max_batch_size, self.chunk, self.kv_cache_dtype) and caches_made_for == self.caches_made_for
                 and max_seq_length <= self.max_seq_length):
             return  # big enough; stale entries are masked by position, so the cache needs no clearing
         self.max_batch_size, self.chunk, self.kv_cache_dtype = settings
-        self.max_seq_length, self.made_for = max_seq_length, made_for
+        self.max_seq_length, self.caches_made_for = max_seq_length, caches_made_for
         ring = min(max_seq_length, c.sliding_window + chunk) if c.sliding_window else max_seq_length
         # A full cache has one slot more than it is asked for, never written: a read of the first n
         # slots (decode.key_positions) is then never the whole tensor, or compiled code, seeing the
@@ -239,20 +239,21 @@ class Transformer(nn.Module):
             return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
                               for i in range(0, T, self.chunk)], dim=1)
         key_positions = self.positions if key_positions is None else key_positions  # (B, n)
+        # what a layer's attention takes, (RoPE (B, T, 2 * rope_dim), mask): a full cache's, and a sliding ring's
         if tree is None:
             rope_pos, full_mask = input_pos, attention_mask(input_pos, key_positions)
         else:
             rope_pos = input_pos[:, :1] + tree.sum(-1) - 1  # (B, T): the positions of the tokens' depths
             full_mask = tree_attention_mask(input_pos, key_positions, tree)
-        full = self.rope_cache[rope_pos], full_mask  # rope: (B, T, 2 * rope_dim)
+        full_attention = self.rope_cache[rope_pos], full_mask
         if c.sliding_window:
             rows = torch.arange(B, device=x.device).unsqueeze(1)
             self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
             ring_mask = (attention_mask(input_pos, self.ring_positions, c.sliding_window) if tree is None
                          else tree_attention_mask(input_pos, self.ring_positions, tree))
-            local = self.local_rope_cache[rope_pos], ring_mask
+            sliding_attention = self.local_rope_cache[rope_pos], ring_mask
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_pos, *(local if c.is_sliding(i) else full))
+            x = layer(x, input_pos, *(sliding_attention if c.is_sliding(i) else full_attention))
         return x
 
 
@@ -317,9 +318,9 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
-    # The two products of written-out attention. cpu_decode.py swaps in a form that compiled code fuses into
-    # one pass over the cache; everything around the products (scale, mask, softmax) stays here.
-    matmul = staticmethod(torch.matmul)
+    # The two products of written-out attention. On CPU, cpu_decode.py swaps in a form that compiled code
+    # fuses into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
+    product = staticmethod(torch.matmul)
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -383,10 +384,10 @@ class Attention(nn.Module):
         # written out: each k/v head with its group of query heads as the rows of one product, so that no
         # head's keys are repeated
         q = q.reshape(B, n_kv, group * T, hd)
-        scores = softcap(self.matmul(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)
+        scores = softcap(self.product(q, k.transpose(-1, -2)).float() * self.scale, self.softcap)  # (B, n_kv, g*T, S)
         scores = scores.view(B, n_kv, group, T, S).masked_fill(~mask.unsqueeze(2), float("-inf"))
         probs = scores.softmax(-1).to(v.dtype).view(B, n_kv, group * T, S)
-        return self.matmul(probs, v).to(q.dtype).view(B, nh, T, hd)
+        return self.product(probs, v).to(q.dtype).view(B, nh, T, hd)
 
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, grouped: bool) -> Tensor:
         """PyTorch's fused attention, one of SDPA_BACKENDS; grouped: q has more heads than k, a multiple."""

@@ -90,6 +90,11 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
+def whole_groups(k: int, groupsize: int) -> int:
+    """k input columns padded with zeros to whole groups: what an int4 weight stores (x is padded to match)."""
+    return -(-k // groupsize) * groupsize
+
+
 def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.float32) -> Tensor:
     """(n, k/2) packed levels, (n, k/groupsize) scales and mins -> w (n, k) in dtype."""
     q = unpack_int4(packed).to(dtype).view(*scales.shape, -1)  # (n, groups, groupsize)
@@ -152,7 +157,7 @@ class Int4Linear(nn.Module):
                  dtype=torch.bfloat16, device=None):
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
-        self.padded_in = -(-in_features // groupsize) * groupsize  # k padded to whole groups
+        self.padded_in = whole_groups(in_features, groupsize)
         groups = self.padded_in // groupsize
         self.register_buffer("weight", torch.empty(out_features, self.padded_in // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
@@ -234,7 +239,7 @@ class Int4ExpertLinears(ExpertLinears):
                  device=None):
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
-        self.padded_in = -(-in_features // groupsize) * groupsize
+        self.padded_in = whole_groups(in_features, groupsize)
         shape = (n_experts, out_features)
         self.register_buffer("weight", torch.empty(*shape, self.padded_in // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(*shape, self.padded_in // groupsize, dtype=dtype, device=device))
@@ -386,17 +391,14 @@ class Int4(Scheme):
     def metadata(self) -> dict:
         return {"mode": self.layout, "groupsize": self.groupsize, "method": self.method, "head": HEAD.method}
 
-    def padded(self, k: int) -> int:
-        return -(-k // self.groupsize) * self.groupsize
-
     def specs(self, name: str, shape: tuple, dtype: torch.dtype = torch.bfloat16) -> list[Spec]:
         base, (*rows, k) = name.removesuffix(".weight"), shape
-        groups = self.padded(k) // self.groupsize
-        return [(f"{base}.weight", torch.uint8, (*rows, self.padded(k) // 2)),
+        groups = whole_groups(k, self.groupsize) // self.groupsize
+        return [(f"{base}.weight", torch.uint8, (*rows, whole_groups(k, self.groupsize) // 2)),
                 (f"{base}.scales", dtype, (*rows, groups)), (f"{base}.mins", dtype, (*rows, groups))]
 
     def group(self, name: str, read, shape: tuple) -> Group:
-        pad = self.padded(shape[-1]) - shape[-1]
+        pad = whole_groups(shape[-1], self.groupsize) - shape[-1]
         return self.specs(name, shape), lambda: rtn_int4(F.pad(read().float(), (0, pad)), self.groupsize)
 
     def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
@@ -678,7 +680,7 @@ class GPTQ:
             h.remove()
         for name, m in linears.items():
             w = m.weight.float()
-            padded = -(-w.shape[1] // self.groupsize) * self.groupsize
+            padded = whole_groups(w.shape[1], self.groupsize)
             packed, scales, mins = gptq_int4(F.pad(w, (0, padded - w.shape[1])),
                                              F.pad(hessians[name], (0, padded - w.shape[1]) * 2), self.groupsize)
             self.results[name] = packed, scales, mins

@@ -236,13 +236,11 @@ class HeadDrafter(Drafter):
         # the prompt: position i reads the target's state at i - 1 and token i (the first new one at the end)
         B, T, _ = states.shape
         positions = torch.arange(1, T + 1, device=tokens.device).expand(B, -1)
-        for start in range(0, T, self.head.chunk):
-            end = min(start + self.head.chunk, T)
-            last, mine = decode.rows_ending_in(prompt_lengths - 1, start, end)
-            logits, state = self.head(target, tokens[:, start + 1: end + 1], states[:, start:end],  # eager: any length
-                                      positions[:, start:end], decode.key_positions(self.head, end + 1), last)
-            self.next = (logits, state) if start == 0 else tuple(torch.where(mine, new, old) for new, old in
-                                                                 zip((logits, state), self.next))
+        self.next = None, None
+        for start, end, last, holds_last in decode.prompt_chunks(prompt_lengths - 1, T, self.head.chunk):
+            out = self.head(target, tokens[:, start + 1: end + 1], states[:, start:end],  # eager: any length
+                            positions[:, start:end], decode.key_positions(self.head, end + 1), last)
+            self.next = tuple(decode.kept(holds_last, new, old) for new, old in zip(out, self.next))
         self.verified = None
 
     def propose(self, tokens, lengths, k, **sampling):
@@ -287,7 +285,7 @@ def share_caches(model: Transformer, other: Transformer) -> bool:
         if hasattr(other, name):  # the tables setup_caches made with the caches
             model.register_buffer(name, getattr(other, name), persistent=False)
     model.max_batch_size, model.chunk, model.kv_cache_dtype = other.max_batch_size, other.chunk, other.kv_cache_dtype
-    model.max_seq_length, model.made_for = other.max_seq_length, other.made_for
+    model.max_seq_length, model.caches_made_for = other.max_seq_length, other.caches_made_for
     return True
 
 
@@ -343,19 +341,19 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     B = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(prompt_lengths.max())
-    room = k * drafter.alternatives
-    if room and model.config.sliding_window:
+    tree_slots = k * drafter.alternatives  # the positions a tree's alternatives take past the text
+    if tree_slots and model.config.sliding_window:
         raise UserError("drafting with alternatives (a tree) needs full caches, and this model has sliding-window "
                         "layers: draft without alternatives")
-    if room and T + max_new_tokens + room > model.config.block_size:
-        raise UserError(f"drafting with alternatives (a tree) needs {room} positions of room past the prompt and "
+    if tree_slots and T + max_new_tokens + tree_slots > model.config.block_size:
+        raise UserError(f"drafting with alternatives (a tree) needs {tree_slots} positions of room past the prompt and "
                         f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens, "
                         "speculate_k or the alternatives")
     if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
         raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
-    # the plain cache, and room for a tree's alternatives: a verify step's slots past it are clamped to
+    # the plain cache, and slots for a tree's alternatives: a verify step's slots past it are clamped to
     # its last, since they only ever hold drafts beyond the requested length
-    cache_length = decode.padded_length(T + max_new_tokens + room, model.config.block_size)
+    cache_length = decode.padded_length(T + max_new_tokens + tree_slots, model.config.block_size)
     model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
     cpu_decode.pack(model)  # a CPU bf16 target's verify steps read oneDNN's copy of its weights
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -383,7 +381,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     plain_step_count = 0
 
     while not done.all():  # host syncs a round, not a token
-        keys = decode.key_positions(model, int(lengths.max()) + k + room)  # a verify step's last slot + 1
+        keys = decode.key_positions(model, int(lengths.max()) + k + tree_slots)  # a verify step's last slot + 1
         proposal = drafter.propose(tokens, lengths, k, **sampling)
         if isinstance(proposal, int):
             if not 1 <= proposal <= k + 1:
@@ -400,7 +398,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             n, next_token, drafts, states = verify(model, cur, drafts, draft_probs, lengths, cache_length, keys,
                                                    steps, **sampling)
             accepted_counts.scatter_add_(0, n, (~done).long())
-            if room:
+            if tree_slots:
                 alternatives_kept += ((drafts != chain).any(1) & ~done).sum()
             drafter.accepted(n, ~done, states)
             # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
@@ -423,7 +421,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     if stats is not None:
         stats.update(accepted_counts=accepted_counts.tolist(), verify_tokens=int(verify_tokens),
                      plain_steps=plain_step_count)
-        if room:
+        if tree_slots:
             stats.update(alternatives_kept=int(alternatives_kept))
     return [torch.cat([p.cpu(), decode.until_stop(row[len(p): end], stop_ids)])
             for p, row, end in zip(prompts, tokens.cpu(), lengths.tolist())]

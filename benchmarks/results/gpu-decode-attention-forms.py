@@ -4,7 +4,7 @@ steps at depths 0, 8192 and 32,704 over random cache contents (no prefill to com
 costs beyond depth 0 is its attention over the cache: the bytes of keys and values it reads over the
 extra time give the bandwidth attention reaches.
 
-Forms (Attention.matmul, the hook cpu_decode.py uses on CPU):
+Forms (Attention.product, the hook cpu_decode.py uses on CPU):
   matmul     torch.matmul, cuBLAS's batched product (the GPU form so far)
   rows       cpu_decode.attention_product: a reduction per query row, fused into one pass over the keys
   mul-sum    (a[..., None] * b[..., None, :, :]).sum(-2): one reduction over (rows, k, n)
@@ -28,7 +28,8 @@ import cpu_decode  # noqa: E402
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
 from benchmark_depths import fill_at_random  # noqa: E402
-from model import Attention, ModelArgs, Transformer, transformer_configs  # noqa: E402
+from model import Attention, ModelArgs, Transformer  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
 
 def mul_sum(a, b):
@@ -49,17 +50,15 @@ def split_keys(a, b, block=decode.KV_BLOCK):
 FORMS = {"matmul": torch.matmul, "rows": cpu_decode.attention_product, "mul-sum": mul_sum, "split": split_keys,
          "triton-mm": torch.matmul}
 GEMM_BACKENDS = torch._inductor.config.max_autotune_gemm_backends
-STEP = decode.decode_one_token
 
 
-def step_ms(model, depth, n, runs, device):
+def step_ms(model, step, depth, n, runs, device):
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
 
     def steps():
         t = token
         for i in range(n):
-            t = decode.decode_one_token(model, t, torch.tensor([[depth + i]], device=device),
-                                        decode.key_positions(model, depth + i + 1))
+            t = step(model, t, torch.tensor([[depth + i]], device=device), decode.key_positions(model, depth + i + 1))
 
     steps()
     steps()  # the first pass at a new block count records its CUDA graphs
@@ -85,7 +84,7 @@ def main():
     p.add_argument("--cache", type=int, help="positions (default: the deepest depth and its steps)")
     p.add_argument("--profile", action="store_true", help="the kernels of a few steps at the deepest depth")
     args = p.parse_args()
-    config = ModelArgs(**{**transformer_configs["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
+    config = ModelArgs(**{**SHAPES["Llama-3.1-8B"], "n_layer": args.layers, "vocab_size": 4096})
     torch.manual_seed(0)
     with torch.device(args.device):
         model = Transformer(config)
@@ -104,16 +103,15 @@ def main():
         element = 1 if dtype in (torch.int8, torch.float8_e4m3fn) else 2
         for form in args.forms:
             torch._dynamo.reset()
-            decode.decode_one_token = STEP
-            Attention.matmul = staticmethod(FORMS[form])
+            Attention.product = staticmethod(FORMS[form])
             torch._inductor.config.max_autotune_gemm = form == "triton-mm"
             torch._inductor.config.max_autotune_gemm_backends = "TRITON" if form == "triton-mm" else GEMM_BACKENDS
-            decode.compile_steps()
+            step = gen.compiled_steps().decode_one_token  # compiles anew after the reset
             model.setup_caches(1, cache, kv_cache_dtype=dtype)
             fill_at_random(model)
             try:
                 start = time.perf_counter()
-                ms = [step_ms(model, d, args.steps, args.runs, args.device) for d in args.depths]
+                ms = [step_ms(model, step, d, args.steps, args.runs, args.device) for d in args.depths]
                 compile_s = time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - a form that does not compile is a result too
                 print(f"{form:8} {kv:5} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -126,9 +124,9 @@ def main():
                   + " ".join(f"{g:7.0f}" for g in gbs) + f"   {compile_s:.0f}", flush=True)
             if args.profile:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    step_ms(model, max(args.depths), 4, 1, args.device)
+                    step_ms(model, step, max(args.depths), 4, 1, args.device)
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70))
-    Attention.matmul = staticmethod(torch.matmul)
+    Attention.product = staticmethod(torch.matmul)
 
 
 if __name__ == "__main__":
