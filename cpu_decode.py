@@ -4,7 +4,7 @@ expressions, and the many rows of prefill in fp32 where the CPU has no native bf
 Inductor fuses such an expression into one vectorized loop over the weight (or the cache), which on
 CPU reads it faster than the BLAS call aten.mm makes at a few rows, converts int8 in registers, and
 fuses attention's softmax between its two products (scripts/benchmark.py measures the matmul side;
-the README has the figures). A speculative verify step's k + 1 rows (up to FEW_ROWS) go through one
+benchmarks/RESULTS.md has the figures). A speculative verify step's k + 1 rows (up to FEW_ROWS) go through one
 such loop too, each weight element read once for all of them, and so do the query heads that share a
 key/value head in a decode step's attention, each key and value read once for all of them (in a
 verify step's, for each of its positions, up to ATTENTION_ROWS rows in all, where the fused attention
@@ -18,8 +18,9 @@ and round their output back to bf16 (matmul_dtype); fewer rows keep bf16, which 
     cpu_decode.apply(model)   # once, at load (generate.load_model); a no-op for a model on another device
 
 Where oneDNN has bf16 kernels of its own (AVX-512 bf16, AMX), `pack(model)` gives each bf16 linear a
-second copy of its weight in oneDNN's layout, which its product of a few rows reads at the memory's
-speed and of many rows 10-15% faster than F.linear's: speculative_generate packs its target, so that
+second copy of its weight in oneDNN's layout, which its products of a few rows read at the memory's
+speed, and of many rows faster than F.linear's (benchmarks/RESULTS.md, "Packed weights for verify
+steps", "Scoring through oneDNN's packed weights"): speculative_generate packs its target, so that
 a verify step's k + 1 rows cost less, and eval.py its model, for its scoring forwards (the one-row
 loop above stays faster for one or two rows, so the plain weights stay too).
 
@@ -77,7 +78,7 @@ def in_fp32_buffer(x: Tensor) -> Tensor:
     no-op as_strided keeps inductor from inlining x's producer (a norm, an activation) into the loop
     over the weight's rows, where it would be recomputed for every one of the n outputs. fp32 rather
     than bf16: with a bf16 input the loop goes 32 elements at a time and loads an int8 weight in
-    partial vectors, 3x slower on an AVX-512 core (a bf16 weight runs at the same speed either way)."""
+    partial vectors, several times slower (benchmarks/RESULTS.md, "Speculation on the newer machine")."""
     x = x.float()
     return x.as_strided(x.shape, x.stride())
 

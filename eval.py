@@ -437,7 +437,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--tasks", default=None,
                    help="comma-separated harness task names or task YAML paths (default: perplexity instead)")
@@ -451,9 +451,9 @@ if __name__ == "__main__":
     p.add_argument("--seq_len", type=int, default=512, help="perplexity: window length")
     p.add_argument("--batch_size", type=int, default=4, help="windows (perplexity) or rows (tasks) a forward")
     p.add_argument("--compile", action="store_true",
-                   help="harness tasks: compile the scoring forward once (a minute or more on a small CPU), which "
-                        "then scores faster (about 15%% on the repo's cloze): worth it where scoring takes many "
-                        "minutes")
+                   help="harness tasks: compile the scoring forward once (minutes on a small CPU), which then "
+                        "scores faster (benchmarks/RESULTS.md, 'Scoring: short attention written out, and a compiled "
+                        "forward'): worth it where scoring takes many minutes")
     p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="activations and unquantized weights")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help="default: --precision's")

@@ -332,25 +332,11 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     draft it replaced), "verify_tokens" (the tokens those steps added to the text: fewer where a round
     passes max_new_tokens), "plain_steps" (steps taken without a proposal) and, with alternatives,
     "alternatives_kept" (the rounds that kept one)."""
-    if not isinstance(drafter, Drafter):
-        raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
-                        f"not {drafter!r}")
-    if speculate_k < 1:
-        raise UserError(f"speculate_k must be at least 1, got {speculate_k}")
     k, device = speculate_k, next(model.parameters()).device
     B = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     T = int(prompt_lengths.max())
-    tree_slots = k * drafter.alternatives  # the positions a tree's alternatives take past the text
-    if tree_slots and model.config.sliding_window:
-        raise UserError("drafting with alternatives (a tree) needs full caches, and this model has sliding-window "
-                        "layers: draft without alternatives")
-    if tree_slots and T + max_new_tokens + tree_slots > model.config.block_size:
-        raise UserError(f"drafting with alternatives (a tree) needs {tree_slots} positions of room past the prompt and "
-                        f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens, "
-                        "speculate_k or the alternatives")
-    if speculate_k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
-        raise UserError(f"speculate_k ({speculate_k}) must be less than prefill_chunk ({prefill_chunk})")
+    tree_slots = check_speculation(model, drafter, k, T + max_new_tokens, prefill_chunk)
     # the plain cache, and slots for a tree's alternatives: a verify step's slots past it are clamped to
     # its last, since they only ever hold drafts beyond the requested length
     cache_length = decode.padded_length(T + max_new_tokens + tree_slots, model.config.block_size)
@@ -404,10 +390,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             # the row's accepted drafts, then the target's own token; what lies beyond is overwritten later
             emitted = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], next_token[:, None])
         n = torch.where(done, -1, n)  # finished rows stand still
-        offsets = torch.arange(emitted.shape[1], device=device)
-        position = lengths[:, None] + offsets  # (B, emitted): where each emitted token goes
-        written = (offsets <= n[:, None]) & (position < limit[:, None])  # nothing past the requested length
-        tokens.scatter_(1, position, torch.where(written, emitted, tokens.gather(1, position)))
+        written = write_emitted(tokens, emitted, n, lengths, limit)
         if not isinstance(proposal, int):
             verify_tokens += written.sum()
         stopped = torch.isin(emitted, stops) & written
@@ -425,6 +408,37 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
             stats.update(alternatives_kept=int(alternatives_kept))
     return [torch.cat([p.cpu(), decode.until_stop(row[len(p): end], stop_ids)])
             for p, row, end in zip(prompts, tokens.cpu(), lengths.tolist())]
+
+
+def check_speculation(model: Transformer, drafter: Drafter, k: int, length: int, prefill_chunk: int) -> int:
+    """Refuse, in one line, what speculative decoding with k drafts a round cannot do for texts of `length`
+    positions; returns the slots a tree's alternatives take past the text (0 without alternatives)."""
+    if not isinstance(drafter, Drafter):
+        raise UserError(f"drafter must be a speculative.Drafter (DraftModel, PromptLookup, HeadDrafter), "
+                        f"not {drafter!r}")
+    if k < 1:
+        raise UserError(f"speculate_k must be at least 1, got {k}")
+    tree_slots = k * drafter.alternatives
+    if tree_slots and model.config.sliding_window:
+        raise UserError("drafting with alternatives (a tree) needs full caches, and this model has sliding-window "
+                        "layers: draft without alternatives")
+    if tree_slots and length + tree_slots > model.config.block_size:
+        raise UserError(f"drafting with alternatives (a tree) needs {tree_slots} positions of room past the prompt and "
+                        f"max_new_tokens within the context length {model.config.block_size}: lower max_new_tokens, "
+                        "speculate_k or the alternatives")
+    if k >= prefill_chunk:  # a sliding-window ring keeps the positions of one verify step and no more
+        raise UserError(f"speculate_k ({k}) must be less than prefill_chunk ({prefill_chunk})")
+    return tree_slots
+
+
+def write_emitted(tokens: Tensor, emitted: Tensor, n: Tensor, lengths: Tensor, limit: Tensor) -> Tensor:
+    """Write a round's tokens emitted (B, e) into the texts tokens at each row's length: the first n + 1 of
+    each row (none for n = -1), none past its limit. Returns which were written (B, e)."""
+    offsets = torch.arange(emitted.shape[1], device=emitted.device)
+    position = lengths[:, None] + offsets  # (B, e): where each emitted token goes
+    written = (offsets <= n[:, None]) & (position < limit[:, None])
+    tokens.scatter_(1, position, torch.where(written, emitted, tokens.gather(1, position)))
+    return written
 
 
 def plain_steps(model: Transformer, cur: Tensor, lengths: Tensor, n: int, cache_length: int, keys: Tensor,

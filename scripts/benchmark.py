@@ -711,7 +711,8 @@ def cpu_name() -> str:
 def model_arguments(description: str) -> argparse.ArgumentParser:
     """The arguments every benchmark here takes: which model, where, how many tokens and runs, llama.cpp
     beside it, where the results go."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--checkpoint_path", default=None, help="default: the bundled model")
     p.add_argument("--model", default=None, help="a known shape (scripts/shapes.py), with --random-weights")
     p.add_argument("--random-weights", action="store_true", help="random weights of --model's shape")
@@ -795,8 +796,8 @@ if __name__ == "__main__":
                    help="also each model drafter with M alternatives at each depth (a tree), in the speculative "
                         "rungs and --speculative")
     p.add_argument("--no-verify-cost", action="store_true",
-                   help="with --speculative: skip the verify steps' cost against plain steps (on an H200, compiling "
-                        "them filled a call's 380 s before the drafters)")
+                   help="with --speculative: skip the verify steps' cost against plain steps, whose compiles can "
+                        "take most of a short GPU call")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()

@@ -1,45 +1,37 @@
 #!/usr/bin/env bash
-# The checks for a GPU machine, each part sized for one call of a lent GPU (about 9 minutes):
-#   bash scripts/gpu_check.sh tests    the CUDA test set, 8 at a time where pytest-xdist is there (on an H100,
-#                                      2026-11-26: the 6 speculative tests and the ladder took 172 s 7 at a time;
-#                                      a third argument picks tests as pytest's -k does: "speculative or ladder")
-#   bash scripts/gpu_check.sh attention  decode attention at depth 32,704, bf16 and int8 KV, in a cache that
-#                                      ends 32 positions short of a block of 256 and in one of whole blocks,
-#                                      then cuBLAS against inductor's Triton templates, which may fuse the int8
-#                                      conversion (benchmarks/results/gpu-decode-attention-forms.py; compiles
-#                                      took about 55 s each on an H100, autotuned ones not yet timed)
-#   bash scripts/gpu_check.sh weights  kernels.py's int8 products against cuBLAS (bf16) and tinygemm (int4)
-#                                      at Llama-3.1-8B's shapes, 1 and 6 rows, each checked first
-#                                      (benchmarks/results/gpu-weight-only-kernels.py; no torch.compile: about a
-#                                      minute, most of it Triton compiling and autotuning)
-#   bash scripts/gpu_check.sh peers LIMIT ours|gpt-fast   the ladder at Llama-3.1-8B's shape (random weights,
-#                                      128-token prompt, 256 new tokens, interleaved runs, median of 3): "ours" is
-#                                      our bf16, int8 and int4 g32; "gpt-fast" our bf16 again (a second process
-#                                      on the machine: inductor's caches reused) and gpt-fast's bf16, int8 and
-#                                      int4 g32, run from .peers/gpt-fast (a copy of ../shared/peers/gpt-fast,
-#                                      ignored by git: name it in the call's carry). Each compile of the 8B
-#                                      step takes a minute or two, so each part is one call.
-#   bash scripts/gpu_check.sh depths   Llama-3.1-8B shape (random weights), decode at depths 0, 8k and 32k
-#                                      with each KV cache format of $KV (default: bf16 int8 fp8; issue 14), over
-#                                      random cache contents: on an H200 compiling took 105 s for the step (a
-#                                      format) and 169 s for prefill, which --no-prefill skips
-#   bash scripts/gpu_check.sh speculative  the bundled model's drafters on the GPU (issue 15): plain decoding
-#                                      against prompt lookup, the int4 self-draft (and the draft head, where
-#                                      .gpu_carry holds a trained draft_head.safetensors), k = 5, greedy; not the
-#                                      verify steps' cost, which filled a call's 380 s with two of its three models
-#                                      on an H200 (2026-11-26: bf16 1.61x a plain step, int8 6.62x). Compiling is most
-#                                      of a run and may not fit one call: a second call on the same warm machine
-#                                      should find inductor's caches in /tmp (not yet tried).
-#                                      The GPU image has neither the model nor gguf, and its GGUF file (98 MB)
-#                                      travels in two calls of at most 64 MiB. Here, once:
-#                                        echo /.gpu_carry/ >> .git/info/exclude; mkdir -p .gpu_carry
-#                                        split -b 48M "$(python -c 'import convert; print(convert.bundled_gguf())')" .gpu_carry/gguf.part-
-#                                        pip download --no-deps gguf==0.19.0 -d .gpu_carry  (it needs numpy, pyyaml,
-#                                        requests and tqdm, which the image has)
-#                                      then a call that carries .gpu_carry/gguf.part-aa and runs
-#                                      `cp .gpu_carry/gguf.part-aa /tmp/` (a carried file does not outlast its
-#                                      call; /tmp does, while the machine stays warm), and at once (it stays
-#                                      30 s) one that carries the rest and runs this part.
+# The checks for a lent GPU, each part sized for one call (at most 9 minutes, compiles included; what
+# each took when it ran is in benchmarks/RESULTS.md). In order of what they answer next:
+#   bash scripts/gpu_check.sh peers LIMIT ours      the 8B ladder (random weights, 128-token prompt, 256 new
+#                                                    tokens, interleaved runs, median of 3): our bf16, int8 and
+#                                                    int4 g32, each compiled as generate.py compiles
+#   bash scripts/gpu_check.sh peers LIMIT gpt-fast  on the same machine, at once: our bf16 again (a second
+#                                                    process: inductor's caches reused) beside gpt-fast's bf16,
+#                                                    int8 and int4 g32, run from .peers/gpt-fast (a copy of
+#                                                    ../shared/peers/gpt-fast, ignored by git: name it in carry)
+#   bash scripts/gpu_check.sh weights               kernels.py's int8 products against cuBLAS (bf16) and tinygemm
+#                                                    (int4) at the 8B's shapes, 1 and 6 rows, each checked first
+#                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
+#   bash scripts/gpu_check.sh tests [LIMIT] [-k]    the CUDA test set, several at a time where pytest-xdist is
+#                                                    there; a third argument picks tests as pytest's -k does
+#   bash scripts/gpu_check.sh depths                the 8B (random weights) decoding at depths 0, 8k and 32k
+#                                                    with each KV cache format of $KV (default: bf16 int8 fp8),
+#                                                    over random cache contents (no prefill to compile)
+#   bash scripts/gpu_check.sh attention             decode attention at depth 32,704, bf16 and int8 KV, in a cache
+#                                                    ending a part block and in one of whole blocks, cuBLAS against
+#                                                    inductor's Triton templates (benchmarks/results/
+#                                                    gpu-decode-attention-forms.py)
+#   bash scripts/gpu_check.sh speculative           the bundled model's drafters: plain decoding against prompt
+#                                                    lookup and the int4 self-draft (and the draft head, where
+#                                                    .gpu_carry holds a trained draft_head.safetensors), k = 5,
+#                                                    greedy. The GPU image has neither the model nor gguf, and
+#                                                    the GGUF file (98 MB) travels in two calls of at most 64 MiB.
+#                                                    Here, once:
+#       echo /.gpu_carry/ >> .git/info/exclude; mkdir -p .gpu_carry
+#       split -b 48M "$(python -c 'import convert; print(convert.bundled_gguf())')" .gpu_carry/gguf.part-
+#       pip download --no-deps gguf==0.19.0 -d .gpu_carry   (it needs numpy, pyyaml, requests and tqdm: the image has them)
+#     then a call that carries .gpu_carry/gguf.part-aa and runs `cp .gpu_carry/gguf.part-aa /tmp/` (a carried
+#     file does not outlast its call; /tmp does, while the machine stays warm), and at once one that carries
+#     the rest and runs this part.
 # Each part stops at its time limit (seconds: the second argument) and keeps what it printed in $OUT
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
