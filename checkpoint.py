@@ -221,8 +221,11 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
                         f"(e.g. meta-llama/Llama-3.1-8B-Instruct), or leave out --checkpoint_path for the "
                         f"bundled model")
     if checkpoint_path.suffix != ".safetensors":
-        raise UserError(f"{checkpoint_path} is not a checkpoint: give the converted checkpoint's directory "
-                        f"({checkpoint_path.parent}) or its {CHECKPOINT_NAME}")
+        instead = (f"give its directory, {checkpoint_path.parent}, which holds one"
+                   if (checkpoint_path.parent / CHECKPOINT_NAME).is_file() else
+                   f"give a converted checkpoint's directory, one holding {CHECKPOINT_NAME} and {CONFIG_NAME}, "
+                   f"or that {CHECKPOINT_NAME} itself")
+        raise UserError(f"{checkpoint_path} is not a checkpoint (a .safetensors file): {instead}")
     metadata = header_metadata(checkpoint_path)  # None for a file that is not safetensors: the reader says why
     foreign = metadata is not None and metadata.get("format") != FORMAT  # a Hugging Face file (any metadata or none)
     converted = checkpoint_path.parent / CHECKPOINT_NAME

@@ -32,6 +32,11 @@ from tokenizer import Tokenizer, load_tokenizer
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PROMPT = "Tell me about Paris"  # the command line's default
+# Without --max_new_tokens a chat answer runs to its end of turn, within this many positions with its
+# prompt (or the context, where shorter): about 3,000 words, past what answers run to, in a cache that
+# fits where the whole context's would not (Llama-3.1-8B's 131,072 positions hold 16 GiB in bf16).
+ANSWER_POSITIONS = 4096
+DEFAULT_NEW_TOKENS = 200  # a continuation's, or --ignore_eos's: they have no end of turn to stop them
 # the command line's sampling where neither it nor the checkpoint's generation_config.json sets one
 SAMPLING = dict(temperature=0.8, top_k=200, top_p=None)
 # how generation_config.json (and the command line, and a harness task) say "no filter"
@@ -298,9 +303,11 @@ def synchronize(device: str):
 
 def main(args) -> list[Tensor] | None:
     rank, world_size = tp.maybe_init_distributed(args.device)
+    threads = torch.get_num_threads()
     try:
         return run(args, rank, world_size)
     finally:
+        torch.set_num_threads(threads)  # run() fits them to the free cores: an in-process caller gets its own back
         if world_size > 1:
             torch.distributed.destroy_process_group()
 
@@ -318,11 +325,13 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         torch.manual_seed(tp.shared_seed())  # the same logits on every rank must sample the same tokens
     else:
         checkpoint_path = find_checkpoint(args.checkpoint_path)
-    t0 = time.perf_counter()
+    t0, clock = time.perf_counter(), cpu_clock()
     model = load_model(checkpoint_path, device, args.precision, rank, world_size)
     tokenizer = get_tokenizer(checkpoint_path)
     synchronize(device)
     print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if device == "cpu":
+        fit_threads(busy_cores(clock))  # before anything compiles: inductor writes the thread count into its code
     drafter = load_drafter(args, checkpoint_path, model, device, world_size)
     # generate()'s settings beyond the prompt, the same for every sample and every turn of a chat
     options = dict(**sampling_options(args, checkpoint_path), drafter=drafter, speculate_k=args.speculate_k,
@@ -336,37 +345,47 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
     use_chat = tokenizer.can_chat if args.chat is None else args.chat
     prompt = torch.tensor(tokenizer.encode_prompt(args.prompt, chat=use_chat), dtype=torch.long)
     stop_ids = [] if args.ignore_eos else tokenizer.stop_ids
+    max_new_tokens = new_token_budget(args.max_new_tokens, len(prompt), model.config.block_size,
+                                      ends_itself=bool(use_chat and stop_ids))
     weight_bytes = weight_bytes_per_token(model)
     if args.compile:
         print("compiling the decode step: the first run takes minutes on CPU, seconds once cached (for texts "
               "up to the same cache length)", file=sys.stderr)
         # compiled graphs fit one cache length; inductor keeps them on disk for the next run, which then
         # finds them whatever its prompt and --max_new_tokens, as long as its text fits the same bucket
-        model.setup_caches(args.batch_size, compiled_cache_length(len(prompt) + args.max_new_tokens,
+        model.setup_caches(args.batch_size, compiled_cache_length(len(prompt) + max_new_tokens,
                                                                   model.config.block_size),
                            args.prefill_chunk, options["kv_cache_dtype"])
     # the first sample compiles; when compiling, a warm-up sample is run and not counted
     for i in range(-1 if args.compile else 0, args.num_samples):
         synchronize(device)
-        t0 = time.perf_counter()
+        t0, clock = time.perf_counter(), cpu_clock()
         profiling = args.profile and i == args.num_samples - 1 and rank == 0
         stats = {}
-        with profiler(args.profile) if profiling else contextlib.nullcontext():
-            outputs = generate(model, [prompt] * args.batch_size, args.max_new_tokens, stop_ids=stop_ids, stats=stats,
-                               **options)
+        # one row streams as it is made (each sample in turn, as a chat's answers); rows decoded together
+        # end together, and are printed then, one after another, each labelled
+        streaming = args.batch_size == 1 and i >= 0
+        stream = TextStream(tokenizer, None if use_chat else prompt.tolist()) if streaming else None
+        with profiler(args.profile) if profiling else contextlib.nullcontext(), said_if_interrupted(stream):
+            outputs = generate(model, [prompt] * args.batch_size, max_new_tokens, stop_ids=stop_ids, stats=stats,
+                               callback=stream, **options)
         synchronize(device)
         seconds = time.perf_counter() - t0
         if i < 0:
             print(f"Compilation (warm-up sample) took {seconds:.2f} s", file=sys.stderr)
             continue
-        for row, output in enumerate(outputs):
-            text = tokenizer.decode(output[len(prompt) if use_chat else 0:].tolist())
-            print(f"[{row + 1}/{len(outputs)}] {text}" if len(outputs) > 1 else text)
+        if stream:
+            print()  # the streamed text's line ends
+        else:
+            for row, output in enumerate(outputs):
+                text = tokenizer.decode(output[len(prompt) if use_chat else 0:].tolist())
+                print(f"[{row + 1}/{len(outputs)}] {text}")
         new = sum(len(o) - len(prompt) for o in outputs)
-        cut = sum(len(o) - len(prompt) == args.max_new_tokens and int(o[-1]) not in stop_ids for o in outputs)
+        cut = sum(len(o) - len(prompt) == max_new_tokens and int(o[-1]) not in stop_ids for o in outputs)
         if cut and not args.ignore_eos:
-            print(f"({cut} of {len(outputs)} rows stopped at --max_new_tokens {args.max_new_tokens}, not at the end "
-                  f"of the answer)", file=sys.stderr)
+            bound = (f"--max_new_tokens {max_new_tokens}" if args.max_new_tokens or not use_chat else
+                     f"{len(prompt) + max_new_tokens} positions, the bound without --max_new_tokens")
+            print(f"({cut} of {len(outputs)} rows stopped at {bound}, not at the end of the answer)", file=sys.stderr)
         if stats:
             print(speculative.format_stats(stats, args.speculate_k), file=sys.stderr)
         # a step's weight bytes per token read: not a speculative run's, whose step reads them for several tokens
@@ -374,6 +393,8 @@ def run(args, rank: int = 0, world_size: int = 1) -> list[Tensor] | None:
         print(f"Sample {i + 1}: {new} tokens in {seconds:.2f} s, {new / seconds:.2f} tok/s "
               f"({args.batch_size} rows, {new / args.batch_size:.0f} tokens a row), {bandwidth}"
               f"peak memory {peak_memory_gb(device):.2f} GB", file=sys.stderr)
+        if device == "cpu":
+            note_if_crowded(busy_cores(clock))
     return outputs
 
 
@@ -400,6 +421,98 @@ def compiled_cache_length(n: int, context: int) -> int:
     1024, never past the context. A step reads only the slots its text fills (decode.key_positions),
     so the longer cache costs memory, not time."""
     return min(max(1024, 1 << (n - 1).bit_length()), context)
+
+
+def new_token_budget(max_new_tokens: int | None, prompt_length: int, context: int, ends_itself: bool) -> int:
+    """--max_new_tokens where given; else, for an answer that ends at its end of turn, what ANSWER_POSITIONS
+    (or, for a longer prompt, DEFAULT_NEW_TOKENS) leaves after the prompt within the context; else
+    DEFAULT_NEW_TOKENS."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if not ends_itself:
+        return DEFAULT_NEW_TOKENS
+    return max(1, min(context, max(ANSWER_POSITIONS, prompt_length + DEFAULT_NEW_TOKENS)) - prompt_length)
+
+
+class TextStream:
+    """generate()'s callback for one row: prints its text as the tokens come. Each step decodes the new
+    tokens with those of the step before (a tokenizer spaces a token by its neighbour), not the whole
+    text again, and holds back a character split across tokens (U+FFFD) until it is whole. `text`: what
+    was printed, from the prompt's tokens, where given (a continuation), on."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None):
+        self.tokenizer, self.ids, self.text = tokenizer, list(prompt or []), ""
+        self.start = self.shown = 0  # ids[start:shown] decode to the end of self.text
+
+    def __call__(self, rows: list[list[int]]):
+        self.ids.extend(t for t in rows[0] if t not in self.tokenizer.stop_ids)
+        before = self.tokenizer.decode(self.ids[self.start:self.shown])
+        after = self.tokenizer.decode(self.ids[self.start:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            print(after[len(before):], end="", flush=True)
+            self.text += after[len(before):]
+            self.start, self.shown = self.shown, len(self.ids)
+
+
+@contextlib.contextmanager
+def said_if_interrupted(stream: TextStream | None):
+    """Ctrl-C (or SIGTERM, SIGHUP: errors.run_cli) during generation keeps what was streamed, ends its
+    line, and says so on stderr; the exit code stays run_cli's."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        if stream:
+            print(flush=True)
+        print(f"generation interrupted{', the text so far above' if stream else ''}", file=sys.stderr)
+        raise
+
+
+def cpu_clock() -> tuple[float, float, float] | None:
+    """Seconds: the wall clock, the CPU time every process has spent on the cores this one may run on
+    (Linux's /proc/stat: all but idle and iowait, a hypervisor's steal included), and this process's own
+    CPU time. None where there is no /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    ticks = [[int(n) for n in line.split()[1:9]] for line in lines if line.split(maxsplit=1)[0] in cores]
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    busy = sum(sum(t) - t[3] - t[4] for t in ticks) / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+
+
+def busy_cores(since: tuple[float, float, float] | None) -> float | None:
+    """How many of this process's cores other processes kept busy, on average, since cpu_clock() gave `since`."""
+    now = cpu_clock()
+    if since is None or now is None:
+        return None
+    wall, busy, own = (b - a for a, b in zip(since, now))
+    return max(0.0, busy - own) / wall
+
+
+def free_cores(busy: float) -> int:
+    return max(1, len(os.sched_getaffinity(0)) - round(busy))
+
+
+def fit_threads(busy: float | None):
+    """Decode on the cores other processes leave free, unless OMP_NUM_THREADS says how many threads. An
+    OpenMP team waits, spinning, for its slowest thread at every op: one that shares its core with another
+    process holds up the whole team, which then runs slower than one thread alone; on a free machine the
+    threads pay (benchmarks/RESULTS.md#a-busy-core-openmps-threads, with the wait policies tried instead)."""
+    if busy is None or "OMP_NUM_THREADS" in os.environ or free_cores(busy) >= torch.get_num_threads():
+        return
+    print(f"other processes keep {busy:.1f} of this machine's cores busy: decoding on {free_cores(busy)} "
+          f"thread(s) (OMP_NUM_THREADS=N to choose)", file=sys.stderr)
+    torch.set_num_threads(free_cores(busy))
+
+
+def note_if_crowded(busy: float | None):
+    """Say what to do when other processes took cores this run's threads were decoding on (a load that came
+    after fit_threads, or OMP_NUM_THREADS asking for more): the team then waits on its slowest thread."""
+    if busy is not None and free_cores(busy) < torch.get_num_threads():
+        print(f"(other processes kept {busy:.1f} cores busy while {torch.get_num_threads()} threads decoded: if "
+              f"this sample ran slowly, run with OMP_NUM_THREADS={free_cores(busy)})", file=sys.stderr)
 
 
 def check_run_args(args, device: str, world_size: int):
@@ -462,7 +575,7 @@ def profiler(path: str):
     print(f"profile written to {path} (open it in chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
 
 
-def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options: dict, context: int):
+def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int | None, options: dict, context: int):
     """A multi-turn chat in the model's template, printing tokens as they come; options: generate()'s.
     The dialog may reach `context` positions, for which the KV cache is made once; where a message and
     a whole answer would not fit, the oldest exchanges are forgotten (said on stderr) until they do."""
@@ -483,38 +596,34 @@ def chat(model: Transformer, tokenizer: Tokenizer, max_new_tokens: int, options:
         except EOFError:  # the end of the input: end the prompt's line, as Enter would have
             print()
             return
+        if not sys.stdin.isatty():  # a terminal echoes what is typed; from a pipe, the answer would follow on its line
+            print(user)
         if not user:
             continue
         messages.append({"role": "user", "content": user})
         prompt = tokenizer.encode_dialog(messages)
         forgotten = 0
-        while len(prompt) + max_new_tokens > context and len(messages) > 1:
+        # the room a whole answer needs: --max_new_tokens, else the least new_token_budget gives
+        room = DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+        while len(prompt) + room > context and len(messages) > 1:
             del messages[:2]  # the oldest question and its answer
             forgotten += 1
             prompt = tokenizer.encode_dialog(messages)
         if forgotten:
             print(f"(the dialog would pass --context {context} positions: its {forgotten} oldest "
                   f"exchange{'s' if forgotten > 1 else ''} forgotten)", file=sys.stderr)
-        budget = min(max_new_tokens, context - len(prompt))
+        budget = min(new_token_budget(max_new_tokens, len(prompt), context, ends_itself=True), context - len(prompt))
         if budget < 1:
             raise UserError(f"this message takes {len(prompt)} positions in the chat template, which leaves no "
                             f"room for an answer in --context {context}: raise --context or write less")
-        prompt = torch.tensor(prompt, dtype=torch.long)
-        answer, printed = [], ""
         print("Assistant: ", end="", flush=True)
-
-        def stream(rows: list[list[int]]):
-            nonlocal printed
-            answer.extend(t for t in rows[0] if t not in tokenizer.stop_ids)
-            text = tokenizer.decode(answer)
-            if not text.endswith("\ufffd"):  # wait for the rest of a character split across tokens
-                print(text[len(printed):], end="", flush=True)
-                printed = text
-
-        generate(model, prompt, budget, stop_ids=tokenizer.stop_ids, callback=stream, **options)
+        stream = TextStream(tokenizer)
+        with said_if_interrupted(stream):
+            generate(model, torch.tensor(prompt, dtype=torch.long), budget, stop_ids=tokenizer.stop_ids,
+                     callback=stream, **options)
         print()
         # what was printed: an answer cut inside a character by max_new_tokens keeps no U+FFFD for it
-        messages.append({"role": "assistant", "content": printed})
+        messages.append({"role": "assistant", "content": stream.text})
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -530,7 +639,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    # allow_abbrev=False: --max_new_token is a mistake to point out, not --max_new_tokens
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="a converted checkpoint's directory or .safetensors file (default: the bundled "
                         "SmolLM2-135M-Instruct)")
@@ -543,7 +653,10 @@ def parse_args(argv=None):
                         "(default: the model's context length; lower it where that cache does not fit)")
     p.add_argument("--num_samples", type=int, default=1, help="times to generate, each timed")
     p.add_argument("--batch_size", type=int, default=1, help="rows decoded together, each from the prompt")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="at most this many new tokens a row")
+    p.add_argument("--max_new_tokens", type=int, default=None,
+                   help=f"at most this many new tokens a row (default: a chat answer's end of turn, within "
+                        f"{ANSWER_POSITIONS} positions with its prompt; {DEFAULT_NEW_TOKENS} for a continuation "
+                        f"and with --ignore_eos)")
     p.add_argument("--ignore_eos", action="store_true",
                    help="decode max_new_tokens whatever the model says (for benchmarks), not stopping at "
                         "the end of the answer")
@@ -580,7 +693,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="TRACE.json",
                    help="write a torch profiler trace of the last sample")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         refuse("--max_new_tokens must be at least 1")
     if args.prefill_chunk < 1:
         refuse("--prefill_chunk must be at least 1")
@@ -592,6 +705,8 @@ def parse_args(argv=None):
         refuse(f"--temperature must be a number >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:
         refuse(f"--top_k must be >= 0 (0: no filter), got {args.top_k}")
+    if args.top_p is not None and not 0 <= args.top_p <= 1:  # NaN too
+        refuse(f"--top_p must be in [0, 1] (1: no filter), got {args.top_p}")
     ignored = [name for name, given in (("--prompt", args.prompt is not None), ("--profile", args.profile),
                                         ("--ignore_eos", args.ignore_eos), ("--no-chat", args.chat is False))
                if given]

@@ -59,7 +59,8 @@ def first_line(e: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--repo_id", required=True, help="Hugging Face repo id: org/name")
     parser.add_argument("--checkpoint_dir", default="checkpoints", help="files go to CHECKPOINT_DIR/REPO_ID")
     parser.add_argument("--hf_token", help="access token for gated or private repos (default: $HF_TOKEN)")

@@ -49,7 +49,8 @@ def plot(record: dict, path: str):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("json", help="a scripts/benchmark.py --json record")
     p.add_argument("png", help="the plot to write")
     args = p.parse_args()

@@ -254,7 +254,8 @@ def train(args) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="the target (default: the bundled model)")
     p.add_argument("--text", type=Path, default=None, help="training text (default: Python's documentation)")
     p.add_argument("--output", type=Path, default=None,

@@ -5,6 +5,7 @@ tokens, batches, quantized loads, speculative decoding and tensor parallelism.
 
 (Compiled decoding of each family's attention variant: tests/test_cpu_decode.py.)"""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -83,22 +84,30 @@ def ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def with_cache(hf) -> dict:
+    """forward's arguments for decoding with a new cache. transformers 5.24 (this CPU machine's) names it
+    `cache` and warns that `past_key_values`, the only name of earlier versions (the GPU image's 5.17), goes
+    in 5.40."""
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return {name: transformers.DynamicCache(config=hf.config), "use_cache": True}
+
+
 @torch.no_grad()
 def hf_steps(hf, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
     """HF's logits for a prefill of prompt, then continuation fed one token at a time, with its cache."""
-    cache = transformers.DynamicCache(config=hf.config)
-    logits = [hf(prompt[None], past_key_values=cache, use_cache=True).logits[0]]
+    cache = with_cache(hf)
+    logits = [hf(prompt[None], **cache).logits[0]]
     for token in continuation:
-        logits.append(hf(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0])
+        logits.append(hf(token.view(1, 1), **cache).logits[0])
     return torch.cat(logits)
 
 
 @torch.no_grad()
 def hf_greedy(hf, prompt: torch.Tensor, n: int) -> list[int]:
-    cache = transformers.DynamicCache(config=hf.config)
+    cache = with_cache(hf)
     x, out = prompt[None], []
     for _ in range(n):
-        x = hf(x, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        x = hf(x, **cache).logits[:, -1].argmax(-1, keepdim=True)
         out.append(int(x))
     return out
 

@@ -1,8 +1,13 @@
 """Generation: batches, compiled decoding, sampling, and what the CLI says to bad input."""
 
+import io
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -295,7 +300,8 @@ def test_cli_errors_are_one_line(tmp_path, bundled_checkpoint):
     assert "--speculate_k goes with a drafter" in cli_error(["--speculate_k", "3"])
     assert "--speculate_k must be at least 1" in cli_error(["--draft", "prompt-lookup", "--speculate_k", "0"])
     tokenizer_file = bundled_checkpoint.parent / "tokenizer.json"
-    assert "give the converted checkpoint's directory" in cli_error(["--checkpoint_path", str(tokenizer_file)])
+    assert f"give its directory, {bundled_checkpoint.parent}, which holds one" in cli_error(
+        ["--checkpoint_path", str(tokenizer_file)])
     if not torch.cuda.is_available():
         assert "no CUDA device" in cli_error(["--device", "cuda"])
 
@@ -336,7 +342,92 @@ def test_cli_stops_at_the_end_of_the_answer(capsys):
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         gen.parse_args(["--help"])
-    assert "(default: 200)" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "(default: bf16)" in out and "(default: a chat answer's end of turn, within 4096 positions" in out
+
+
+def test_decoding_threads_fit_the_cores_other_processes_leave(monkeypatch, capsys):
+    """A process spinning on one of our cores is seen as one busy core; the CLI then decodes on the cores
+    left (OpenMP's team would wait on its thread that shares a core), unless OMP_NUM_THREADS says, and says
+    what to do where a load came later."""
+    core = min(os.sched_getaffinity(0))
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        time.sleep(0.5)  # started
+        clock = gen.cpu_clock()
+        time.sleep(1)
+        assert gen.busy_cores(clock) >= 0.8  # more where other processes run too
+    finally:
+        spin.kill()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gen.fit_threads(0.1)
+        assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+        gen.note_if_crowded(1.0)
+        assert "if this sample ran slowly, run with OMP_NUM_THREADS=1" in capsys.readouterr().err
+        gen.fit_threads(1.0)
+        assert torch.get_num_threads() == 1 and "busy: decoding on 1 thread(s)" in capsys.readouterr().err
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        gen.fit_threads(1.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_flag_is_never_taken_by_its_abbreviation(capsys):
+    """--max_new_token is a typo to point out, not --max_new_tokens (argparse's allow_abbrev)."""
+    with pytest.raises(SystemExit) as exc:
+        gen.parse_args(["--max_new_token", "5"])
+    assert exc.value.code == 2 and "unrecognized arguments: --max_new_token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("top_p", ["2", "-0.1", "nan"])
+def test_top_p_is_refused_before_anything_loads(top_p):
+    with pytest.raises(SystemExit, match=r"--top_p must be in \[0, 1\] \(1: no filter\)"):
+        gen.parse_args(["--top_p", top_p])
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_with_what_to_give(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a file in the current folder, as README.md in the repository's
+    (tmp_path / "README.md").write_text("# not weights")
+    said = cli_error(["--checkpoint_path", "README.md"])
+    assert said == ("error: README.md is not a checkpoint (a .safetensors file): give a converted checkpoint's "
+                    "directory, one holding fastllama.safetensors and model_config.json, or that "
+                    "fastllama.safetensors itself")
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+@pytest.mark.parametrize("argv, budget", [
+    ([], gen.ANSWER_POSITIONS),  # a chat answer: to its end of turn, within 4096 positions with the prompt
+    (["--no-chat"], gen.DEFAULT_NEW_TOKENS),  # a continuation has no end of turn: 200, as before
+    (["--ignore_eos"], gen.DEFAULT_NEW_TOKENS),
+    (["--max_new_tokens", "7"], 7),
+])
+def test_the_default_answer_is_whole(monkeypatch, capsys, argv, budget):
+    """Without --max_new_tokens the README's first command, `python generate.py`, prints a whole answer:
+    the budget reaches ANSWER_POSITIONS, not 200 new tokens that end mid-sentence (generation faked: the
+    bundled model's answer, its end of turn and no more)."""
+    tokenizer = get_tokenizer()
+    budgets = []
+
+    def answer(model, prompts, max_new_tokens, stop_ids, callback=None, **options):
+        budgets.append(max_new_tokens)
+        tokens = tokenizer.encode("Paris is the capital of France.") + tokenizer.stop_ids[:1]
+        for token in tokens if callback else []:
+            callback([[token]])
+        return [torch.cat([p, torch.tensor(tokens)]) for p in prompts]
+
+    monkeypatch.setattr(gen, "generate", answer)
+    outputs = gen.main(gen.parse_args(["--precision", "fp32", *argv]))
+    prompt_length = len(outputs[0]) - len(tokenizer.encode("Paris is the capital of France.")) - 1
+    assert budgets == [budget - prompt_length if budget == gen.ANSWER_POSITIONS else budget]
+    out, err = capsys.readouterr()
+    assert out.endswith("Paris is the capital of France.\n") and "stopped at" not in err
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
@@ -401,6 +492,50 @@ def test_interactive_chat_streams_answers_up_to_their_end():
     assert len(answers) == 2 and "Paris" in answers[0] and "4" in answers[1]
     for answer in answers:
         assert "system" not in answer and "user" not in answer and "<|im" not in answer, answer
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_piped_interactive_chat_echoes_what_it_read(monkeypatch, capsys):
+    """From a pipe, nothing echoes the question a terminal would: the chat prints it, so that the answer
+    starts on a line of its own, not as "You: Assistant: ..."."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
+    gen.run(gen.parse_args(["--interactive", "--temperature", "0", "--precision", "fp32", "--max_new_tokens", "4"]))
+    out = capsys.readouterr().out
+    assert out.startswith("You: What is the capital of France?\nAssistant: ") and out.endswith("\nYou: \n"), out
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_streamed_text_is_the_decoded_text(capsys):
+    """Token by token, characters split across tokens and spaces that depend on the token before come out
+    as the whole text decodes."""
+    tokenizer = get_tokenizer()
+    ids = tokenizer.encode("Café 🙂 naïve — déjà vu, 東京タワー!\n  Indented 🇫🇷 end")
+    stream = gen.TextStream(tokenizer)
+    for token in ids:
+        stream([[token]])
+    assert capsys.readouterr().out == stream.text == tokenizer.decode(ids)
+
+
+@pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
+def test_ctrl_c_keeps_the_streamed_answer_and_says_so():
+    """Plain generation streams its answer; Ctrl-C keeps what was printed, ends its line, says so on
+    stderr, and exits with 130."""
+    # SIGINT as a terminal's shell leaves it: a background job's ignored SIGINT would be inherited
+    proc = subprocess.Popen([sys.executable, "generate.py", "--temperature", "0", "--ignore_eos",
+                             "--max_new_tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # within a minute of the start: today's bundled model decodes ~15 tokens a second on 2 cores
+        assert select.select([proc.stdout], [], [], 60)[0], "no text on stdout before the end of generation"
+        time.sleep(0.5)  # a few more tokens
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    words = out.decode().split()
+    assert len(words) >= 3 and out.endswith(b"\n"), out
+    assert err.decode().splitlines()[-1] == "generation interrupted, the text so far above", err
 
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
@@ -481,7 +616,8 @@ def test_interactive_chat_keeps_to_its_context(monkeypatch, capsys):
                             "--temperature", "0"]))
     out, err = capsys.readouterr()
     assert err.count("(the dialog would pass --context 100 positions: its 1 oldest exchange forgotten)") == 2, err
-    answers = [answer.strip() for answer in out.split("Assistant: ")[1:]]
+    # each answer's line: stdin is no terminal here, so the next question is echoed on the line after it
+    answers = [answer.splitlines()[0].strip() for answer in out.split("Assistant: ")[1:]]
     assert len(answers) == 3 and answers[0] == answers[1] == answers[2] and "Paris" in answers[0], answers
     assert len(made) == gen.load_config(gen.find_checkpoint(None)).n_layer, [args[1] for args in made]
 

@@ -50,3 +50,12 @@ def test_running_does_not_load_the_converters():
     code = "import sys, generate, eval; print('convert' in sys.modules, 'gguf' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["False", "False"], run.stderr
+
+
+def test_no_command_line_takes_a_flag_by_its_abbreviation():
+    """allow_abbrev=False in every CLI's parser: --max_new_token is a typo to point out, not --max_new_tokens."""
+    for path in [*MODULES.values(), *REPO.glob("scripts/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                assert any(k.arg == "allow_abbrev" and getattr(k.value, "value", None) is False
+                           for k in node.keywords), f"{path.name}:{node.lineno}"
