@@ -70,9 +70,16 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Ste
     """Fill the cache with the prompts, `model.chunk` positions a forward (steps.prefill_chunk), so that
     activation memory is bounded by the chunk whatever the prompt's length, and compiled prefill sees a
     few shapes only. Returns the logits of each row's last prompt position, (B, 1, V); with states, also
-    the last layer's output at every position (B, T, dim), for a drafter that reads them. A prompt of
-    one token is run by the plain prefill_chunk whatever steps holds: compiled prefill specializes a
-    dimension of size 1, and would compile a graph for that length alone."""
+    the last layer's output at every position (B, T, dim), for a drafter that reads them."""
+    *_, result = prefill_by_chunks(model, idx, lengths, steps, states)
+    return result
+
+
+def prefill_by_chunks(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False):
+    """prefill_logits a forward at a time, so that a server can decode other rows between two: yields None
+    after each chunk but the last, and then prefill_logits' result.
+    A prompt of one token is run by the plain prefill_chunk whatever steps holds: compiled prefill
+    specializes a dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]
     positions = prompt_positions(lengths, T, model.chunk)
     forward = steps.prefill_chunk if T > 1 else prefill_chunk
@@ -86,7 +93,7 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Ste
         logits = kept(holds_last, chunk_logits, logits)
         if states:
             hidden.append(chunk_states)
-    return (logits, torch.cat(hidden, dim=1)) if states else logits
+        yield None if end < T else (logits, torch.cat(hidden, dim=1)) if states else logits
 
 
 def prompt_chunks(last: Tensor, T: int, chunk: int):

@@ -1,0 +1,276 @@
+"""serve.py through the official openai client, against a server this module starts on a free loopback
+port with the bundled model in fp32: chat and completions, streamed and not, equal to generate() alone
+for greedy requests whatever runs beside them; stop strings, max_tokens, seeds; a client that goes away
+mid-stream frees its row; lm-eval's local-completions scores a repo task through it as eval.py does; bad
+input is an OpenAI error object and the server goes on; a bounded load loses nothing."""
+
+import asyncio
+import copy
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import decode
+import serve
+from generate import generate, get_tokenizer
+from model import ModelArgs, Transformer
+
+
+openai = pytest.importorskip("openai", reason="the server's tests speak through openai: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="serve.py needs FastAPI and uvicorn: pip install -e '.[serve]'")
+
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 512  # the server's positions a row, so that "past the context" is reachable
+PROMPTS = ["Tell me about Paris.", "Name three rivers of Europe.", "What is a prime number?", "Write a haiku.",
+           "Explain recursion in one sentence.", "What is 12 times 7?", "Who wrote Hamlet?", "Describe a cat."]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_requests_past_the_rows_wait_for_one_and_all_finish(rows):
+    """The scheduler alone (no HTTP): five requests at once for one row or two, prompts prefilled in
+    chunks of 4; each waits its turn and gets the greedy tokens generate() gives it alone."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128)).eval()
+    prompts = [[(7 * i + j) % 64 for j in range(3 + i)] for i in range(5)]
+    alone_model = copy.deepcopy(model)
+    expected = [generate(alone_model, torch.tensor(p), 6, temperature=0)[len(p):].tolist() for p in prompts]
+    scheduler = serve.Scheduler(model, max_batch=rows, context=64, steps=decode.EAGER, prefill_chunk=4)
+
+    async def ask_all() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        requests = [serve.Request(p, 6, loop=loop, events=asyncio.Queue()) for p in prompts]
+        for request in requests:
+            scheduler.submit(request)
+        threading.Thread(target=scheduler.run, daemon=True).start()
+        answers = []
+        for request in requests:
+            tokens = []
+            while (event := await asyncio.wait_for(request.events.get(), 60))[0] == "token":
+                tokens.append(event[1])
+            assert event == ("end", "length")
+            answers.append(tokens)
+        return answers
+
+    assert asyncio.run(ask_all()) == expected
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(bundled_checkpoint):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--precision", "fp32",
+                                "--max_batch", "8", "--context", str(CONTEXT)], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            get(base + "/health")
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if process.poll() is not None:
+                pytest.fail(f"the server stopped: {process.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("the server did not answer /health in 120 s")
+    yield base, process
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_checkpoint):
+    return get_tokenizer(bundled_checkpoint)
+
+
+def alone(model, tokenizer, prompt: list[int], n: int) -> str:
+    """What generate() makes of the prompt alone, greedy: the text of its new tokens before a stop token."""
+    out = generate(model, torch.tensor(prompt), n, temperature=0, stop_ids=tokenizer.stop_ids)[len(prompt):]
+    return tokenizer.decode([t for t in out.tolist() if t not in tokenizer.stop_ids])
+
+
+def test_chat_streamed_and_not_is_generate_alone(client, name, model_fp32, tokenizer):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    whole = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+    expected = alone(model_fp32, tokenizer, tokenizer.encode_dialog(messages), 24)
+    assert whole.choices[0].message.content == expected and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length") and whole.object == "chat.completion"
+    assert whole.usage.prompt_tokens == len(tokenizer.encode_dialog(messages))
+    assert whole.usage.completion_tokens <= 24 and whole.usage.total_tokens == (
+        whole.usage.prompt_tokens + whole.usage.completion_tokens)
+    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_completion_with_max_tokens_is_generate_alone(client, name, model_fp32, tokenizer):
+    prompt = "The three primary colors are"
+    whole = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == alone(model_fp32, tokenizer, tokenizer.encode(prompt), 12)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
+def test_eight_clients_at_once_each_get_their_text_alone(client, name, model_fp32, tokenizer):
+    def ask(prompt):
+        messages = [{"role": "user", "content": prompt}]
+        return client.chat.completions.create(model=name, messages=messages, max_tokens=20,
+                                              temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, PROMPTS))
+    for prompt, text in zip(PROMPTS, together):
+        assert text == alone(model_fp32, tokenizer, tokenizer.encode_dialog([{"role": "user", "content": prompt}]), 20)
+
+
+def test_stop_strings_cut_the_text_even_inside_a_token(client, name):
+    prompt = "Count: one, two, three, four, five, six, seven, eight"
+    free = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    assert len(free) > 6
+    for stop in (free[3:6], free[4]):  # three characters from inside the text, and one
+        cut = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, stop=stop,
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == free[: free.index(stop)]
+
+
+def test_a_seed_gives_a_sampled_answer_again(client, name):
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    runs = [client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=1.0,
+                                           seed=s).choices[0].message.content for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_a_client_gone_mid_stream_frees_its_row_while_others_finish(client, name, server):
+    others = ThreadPoolExecutor(4)
+    finished = [others.submit(client.completions.create, model=name, prompt=p, max_tokens=24, temperature=0)
+                for p in PROMPTS[:4]]
+    stream = client.completions.create(model=name, prompt="Once upon a time", max_tokens=400, temperature=0,
+                                       stream=True)
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()
+    assert all(f.result().choices[0].finish_reason in ("stop", "length") for f in finished)
+    deadline = time.time() + 10
+    while get(server[0] + "/health")["busy_rows"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert get(server[0] + "/health")["busy_rows"] == 0
+
+
+def test_lm_eval_scores_a_task_through_the_server_as_eval_py_does(server, model_fp32, bundled_checkpoint):
+    lm_eval = pytest.importorskip("lm_eval")
+    import eval as ev
+
+    task, limit = str(REPO / "tasks" / "pydoc_cloze.yaml"), 20
+    ours = ev.evaluate_tasks(ev.HarnessModel(model_fp32, get_tokenizer(bundled_checkpoint), "bundled", batch_size=4),
+                             task, limit=limit)
+    served = lm_eval.simple_evaluate(
+        model="local-completions", tasks=ev.task_specs(task), limit=limit, log_samples=False,
+        model_args=dict(base_url=server[0] + "/v1/completions", tokenizer=str(bundled_checkpoint.parent),
+                        tokenizer_backend="huggingface", num_concurrent=4, max_retries=1))
+    ours, served = (next(iter(r["results"].values())) for r in (ours, served))
+    for metric in ("acc,none", "acc_norm,none"):
+        assert served[metric] == pytest.approx(ours[metric], abs=1e-9), metric
+
+
+BAD = [  # (path, body or raw text, status, a piece of the message)
+    ("/v1/chat/completions", "{not json", 400, "not JSON"),
+    ("/v1/chat/completions", {"model": "x"}, 404, "does not exist"),
+    ("/v1/chat/completions", {}, 400, "messages must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CONTEXT}, 400,
+     "context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400,
+     "temperature"),
+    ("/v1/completions", {"prompt": "word " * CONTEXT}, 400, "context"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt must be"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message", BAD)
+def test_bad_input_is_an_error_object_and_the_server_goes_on(server, client, name, path, body, status, message):
+    data = body if isinstance(body, str) else json.dumps({"model": name, **body} if "model" not in body else body)
+    request = urllib.request.Request(server[0] + path, data=data.encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert answer.value.code == status
+    error = json.loads(answer.value.read())["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert client.completions.create(model=name, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_bounded_load_loses_nothing(client, name):
+    """64 requests from 16 clients, each bounded: every answer arrives whole and well-formed."""
+    def loop(i):
+        answers = []
+        for j in range(4):
+            started = time.time()
+            kw = dict(model=name, max_tokens=8 + (i + j) % 8, temperature=0.5 * (j % 2), seed=i)
+            if j % 2:
+                a = client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[(i + j) % 8]}], **kw)
+                answers.append((a.choices[0].message.content, a.choices[0].finish_reason, a.usage, kw))
+            else:
+                a = client.completions.create(prompt=PROMPTS[(i + j) % 8], **kw)
+                answers.append((a.choices[0].text, a.choices[0].finish_reason, a.usage, kw))
+            assert time.time() - started < 120
+        return answers
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = [a for loop_answers in pool.map(loop, range(16)) for a in loop_answers]
+    assert len(answers) == 64
+    for text, reason, usage, kw in answers:
+        assert isinstance(text, str) and reason in ("stop", "length")
+        # a sampled answer may end at once (its first token the end of text, which usage does not count)
+        assert 0 <= usage.completion_tokens <= kw["max_tokens"] and usage.total_tokens == (
+            usage.prompt_tokens + usage.completion_tokens)
+        assert reason == "stop" or usage.completion_tokens == kw["max_tokens"]
+
+
+def test_health_and_models(server, name):
+    assert get(server[0] + "/health")["status"] == "ok"
+    assert get(server[0] + "/v1/models")["data"] == [{"id": name, "object": "model", "created": 0,
+                                                      "owned_by": "fastllama"}]
+
+
+def test_serve_without_fastapi_or_a_bad_flag_is_one_line():
+    run = subprocess.run([sys.executable, "serve.py", "--max_batch", "0"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and "--max_batch must be at least 1" in run.stderr and "Traceback" not in run.stderr
