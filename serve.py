@@ -15,7 +15,11 @@ on a GPU); each row samples with its own settings and random stream, outside the
 requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop string
 (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the tokens
 it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the others
-hold. An error in one request answers that request, and the server goes on.
+hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C answers
+the requests still open with a 503 error object and stops.
+
+Under torchrun (`torchrun --nproc_per_node=N serve.py`) the model is sharded as generate.py shards it:
+rank 0 serves HTTP and schedules, and every rank makes the same calls to its shard (Engine).
 """
 
 import argparse
@@ -24,7 +28,9 @@ import contextlib
 import copy
 import itertools
 import json
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -36,6 +42,8 @@ import torch
 from torch import Tensor
 
 import decode
+import tp
+from checkpoint import load_config
 from errors import UserError, run_cli
 from generate import (KV_CACHE_DTYPES, PRECISIONS, compiled_steps, default_device, find_checkpoint, get_tokenizer,
                       load_model)
@@ -85,51 +93,125 @@ class Request:
 
     def send(self, *event):
         """Hand an event to the HTTP side, from the scheduler's thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        with contextlib.suppress(RuntimeError):  # its event loop closed: the server has stopped serving
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Scheduler:
-    """Runs requests on `model` in a cache of max_batch rows of `context` positions (see the module's
-    docstring). submit() from any thread; run() in the scheduler's own."""
+class Engine:
+    """The model's side of the scheduler: its cache of max_batch rows, the one-row twin prompts are
+    prefilled in, and the calls that run them. Under torchrun every rank holds one (its shard of the
+    model) and makes the same calls in the same order, the sharded forwards' all-reduces pairing up
+    across ranks: rank 0's scheduler makes each through call(), which first broadcasts it, and the
+    other ranks follow() (gloo times out a collective after 30 minutes: an idle scheduler calls idle)."""
 
     def __init__(self, model: Transformer, max_batch: int, context: int, steps: decode.Steps,
-                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None):
-        self.model, self.steps, self.context = model, steps, context
+                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None, world: int = 1):
+        self.model, self.steps, self.world = model, steps, world
         self.device = next(model.parameters()).device
         model.setup_caches(max_batch, context, prefill_chunk, kv_cache_dtype)
         self.twin = sharing_weights(model)
         self.twin.setup_caches(1, context, prefill_chunk, kv_cache_dtype)
+        self.chunks = None  # the prompt being prefilled, as decode.prefill_by_chunks yields it
+
+    def call(self, name: str, *args):
+        if self.world > 1:
+            torch.distributed.broadcast_object_list([(name, args)], src=0)
+        return getattr(self, name)(*args)
+
+    @torch.no_grad()
+    def follow(self):
+        """The other ranks' loop: rank 0's calls, until it stops."""
+        while True:
+            message = [None]
+            torch.distributed.broadcast_object_list(message, src=0)
+            name, args = message[0]
+            if name == "stop":
+                return
+            try:
+                getattr(self, name)(*args)
+            except Exception:  # noqa: BLE001 - rank 0 met it too, and answers the request that met it
+                pass
+
+    def begin(self, prompt: list[int], states: bool):
+        ids = torch.tensor([prompt], device=self.device)
+        lengths = torch.tensor([len(prompt)], device=self.device)
+        self.chunks = decode.prefill_by_chunks(self.twin, ids, lengths, self.steps, states)
+
+    def chunk(self):
+        """The next chunk of the prompt: None, or at the last prefill_logits' result."""
+        return next(self.chunks)
+
+    def drop(self):
+        self.chunks = None
+
+    def join(self, row: int, length: int):
+        copy_row(self.twin, self.model, row, length)
+
+    def step(self, tokens: list[int], positions: list[int]) -> Tensor:
+        """One decode step of every row: logits (max_batch, 1, V)."""
+        tokens = torch.tensor(tokens, device=self.device)[:, None]
+        positions = torch.tensor(positions, device=self.device)[:, None]
+        keys = decode.key_positions(self.model, max(positions) + 1)
+        return self.steps.target_step(self.model, tokens, positions, keys)[0]
+
+    def idle(self):
+        pass
+
+    def stop(self):  # the other ranks' follow() returns on it
+        pass
+
+
+class Scheduler:
+    """Runs requests on an Engine of max_batch rows of `context` positions (see the module's docstring).
+    submit() from any thread; run() in the scheduler's own, until stop()."""
+
+    IDLE_SECONDS = 60  # how often an idle scheduler tells the other ranks it is there
+
+    def __init__(self, engine: Engine, max_batch: int, context: int):
+        self.engine, self.context, self.device = engine, context, engine.device
         self.rows: list[Request | None] = [None] * max_batch
-        self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # each row's last token
-        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)  # ... and its position
-        self.waiting: queue.Queue[Request] = queue.Queue()  # submitted, from other threads
+        self.tokens = [0] * max_batch  # each row's last token
+        self.positions = [0] * max_batch  # ... and its position
+        self.waiting: queue.Queue[Request | None] = queue.Queue()  # submitted, from other threads
         self.pending: list[Request] = []  # taken from there, in order, waiting for a row
-        self.prefill = None  # (request, its chunks as decode.prefill_by_chunks yields them)
+        self.prefilling: Request | None = None
+        self.stopping = False
 
     def submit(self, request: Request):
         self.waiting.put(request)
 
+    def stop(self):
+        """Stop after the step running now: every request not yet answered whole is answered 503."""
+        self.waiting.put(None)
+
     @torch.no_grad()  # grad mode is a thread's own: this one's too
     def run(self):
-        while True:
-            busy = any(self.rows) or self.prefill is not None or self.pending
-            self.take_waiting(block=not busy)
+        while not self.stopping:
+            self.take_waiting(block=not (any(self.rows) or self.prefilling or self.pending))
             self.drop_cancelled()
-            if self.prefill is None and None in self.rows:
+            if self.prefilling is None and None in self.rows:
                 self.start_prefill()
-            if self.prefill is not None:
+            if self.prefilling is not None:
                 self.prefill_step(all_chunks=not any(self.rows))  # alone, a prompt goes through in one go
             if any(self.rows):
                 self.decode_step()
+        self.engine.call("stop")
+        shutting = APIError(503, "the server is shutting down: send the request again once it is back")
+        for request in [*filter(None, self.rows), *self.pending, *filter(None, [self.prefilling])]:
+            request.send("error", shutting)
 
     def take_waiting(self, block: bool):
         """Requests submitted since the last step join the line (waiting for one, when there is no work)."""
+        taken = []
         try:
-            self.pending.append(self.waiting.get(block=block))
+            taken.append(self.waiting.get(timeout=self.IDLE_SECONDS) if block else self.waiting.get_nowait())
             while True:
-                self.pending.append(self.waiting.get_nowait())
+                taken.append(self.waiting.get_nowait())
         except queue.Empty:
-            pass
+            if block and not taken:
+                self.engine.call("idle")
+        self.stopping = None in taken
+        self.pending += [r for r in taken if r is not None]
 
     def drop_cancelled(self):
         """Rows and waiting requests whose clients went away (or whose text reached a stop string) end now."""
@@ -137,47 +219,44 @@ class Scheduler:
             if request is not None and request.cancelled.is_set():
                 self.free(row)
         self.pending = [r for r in self.pending if not r.cancelled.is_set()]
-        if self.prefill is not None and self.prefill[0].cancelled.is_set():
-            self.prefill = None
+        if self.prefilling is not None and self.prefilling.cancelled.is_set():
+            self.prefilling = None
+            self.engine.call("drop")
 
     def free(self, row: int):
         """The row is free: it steps at position 0 with token 0 (writing its slot 0, which the next request
         to take the row overwrites) until then, so that it adds nothing to the keys a step reads."""
         self.rows[row] = None
-        self.tokens[row], self.positions[row] = 0, 0
+        self.tokens[row] = self.positions[row] = 0
 
     def start_prefill(self):
-        while self.pending and self.prefill is None:
-            request = self.pending.pop(0)
-            if request.cancelled.is_set():
-                continue
-            ids = torch.tensor([request.prompt], device=self.device)
-            lengths = torch.tensor([len(request.prompt)], device=self.device)
-            want_states = request.echo and request.logprobs is not None
-            self.prefill = request, decode.prefill_by_chunks(self.twin, ids, lengths, self.steps, want_states)
+        if self.pending:
+            self.prefilling = self.pending.pop(0)
+            self.engine.call("begin", self.prefilling.prompt,
+                             self.prefilling.echo and self.prefilling.logprobs is not None)
 
     def prefill_step(self, all_chunks: bool):
         """A chunk of the prompt being prefilled (or all of them); at its end the request takes a free row."""
-        request, chunks = self.prefill
+        request = self.prefilling
         try:
-            for result in chunks:
-                if result is not None:
-                    self.prefill = None
-                    self.join(request, result)
-                    return
+            while (result := self.engine.call("chunk")) is None:
                 if not all_chunks:
                     return
         except Exception as e:  # noqa: BLE001 - one request's failure is its own answer, not the server's end
-            self.prefill = None
-            fail(request, e)
+            self.prefilling = None
+            self.engine.call("drop")
+            return fail(request, e)
+        self.prefilling = None
+        self.engine.call("drop")
+        self.join(request, result)
 
     def join(self, request: Request, result):
         """The prefilled request: its cache into a free row, its prompt's logprobs if asked, its first token."""
         logits, states = result if isinstance(result, tuple) else (result, None)
-        if states is not None:
-            prompt_logprobs(request, self.twin.logits(states)[0].float().log_softmax(-1))
+        if states is not None:  # the output head is whole on every rank: rank 0 alone computes them
+            prompt_logprobs(request, self.engine.twin.logits(states)[0].float().log_softmax(-1))
         row = self.rows.index(None)
-        copy_row(self.twin, self.model, row, len(request.prompt))
+        self.engine.call("join", row, len(request.prompt))
         self.rows[row] = request
         self.positions[row] = len(request.prompt)
         if request.max_tokens > 0:
@@ -187,9 +266,8 @@ class Scheduler:
 
     def decode_step(self):
         """One step of every row (the free ones too: a fixed shape), then each running row's next token."""
-        keys = decode.key_positions(self.model, int(self.positions.max()) + 1)
         try:
-            logits, _ = self.steps.target_step(self.model, self.tokens, self.positions, keys)
+            logits = self.engine.call("step", self.tokens, self.positions)
         except Exception as e:  # noqa: BLE001 - the rows running now fail; the server goes on
             for row, request in enumerate(self.rows):
                 if request is not None:
@@ -210,7 +288,7 @@ class Scheduler:
             return self.finish(row, "stop")
         request.send("token", token, logprob, top)
         self.tokens[row] = token
-        if request.generated >= request.max_tokens or int(self.positions[row]) + 1 >= self.context:
+        if request.generated >= request.max_tokens or self.positions[row] + 1 >= self.context:
             self.finish(row, "length")
 
     def finish(self, row: int, reason: str):
@@ -601,23 +679,55 @@ class Made:
 
 def main(args):
     try:
+        import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
         raise UserError("serve.py needs FastAPI and uvicorn: pip install -e '.[serve]'")
-    device = args.device or default_device()
-    checkpoint_path = find_checkpoint(args.checkpoint_path)
-    model = load_model(checkpoint_path, device, args.precision)
-    context = min(args.context or model.config.block_size, model.config.block_size)
-    steps = compiled_steps(dynamic_prefill=True) if args.compile else decode.EAGER
-    kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision]
-    scheduler = Scheduler(model, args.max_batch, decode.padded_length(context, model.config.block_size), steps,
-                          args.prefill_chunk, kv_cache_dtype)
-    threading.Thread(target=scheduler.run, daemon=True, name="scheduler").start()
-    name = args.model_name or checkpoint_path.parent.name
-    service = Service(scheduler, get_tokenizer(checkpoint_path), name)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} rows of {context} positions, "
-          f"{device})", file=sys.stderr)
-    uvicorn.run(app_for(service), host=args.host, port=args.port, log_level=args.log_level)
+    rank, world = tp.maybe_init_distributed(args.device)
+    if rank != 0:  # only rank 0 speaks, as in generate.py
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    try:
+        if world > 1:  # one rank converts the bundled model on first use; the others wait for its files
+            checkpoint_path = tp.rank_zero_first(lambda: find_checkpoint(args.checkpoint_path))
+            tp.check_divisible(load_config(checkpoint_path), world)
+        else:
+            checkpoint_path = find_checkpoint(args.checkpoint_path)
+        device = args.device or default_device()
+        model = load_model(checkpoint_path, device, args.precision, rank, world)
+        context = decode.padded_length(min(args.context or model.config.block_size, model.config.block_size),
+                                       model.config.block_size)
+        steps = compiled_steps(dynamic_prefill=True) if args.compile else decode.EAGER
+        engine = Engine(model, args.max_batch, context, steps, args.prefill_chunk,
+                        KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision], world)
+        if rank != 0:
+            return engine.follow()
+        scheduler = Scheduler(engine, args.max_batch, context)
+        thread = threading.Thread(target=scheduler.run, daemon=True, name="scheduler")
+        thread.start()
+        name = args.model_name or checkpoint_path.parent.name
+        service = Service(scheduler, get_tokenizer(checkpoint_path), name)
+        print(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} rows of {context} positions, "
+              f"{device}{f', {world} ranks' if world > 1 else ''})", file=sys.stderr)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # SIGTERM or Ctrl-C: open answers end (503) before the HTTP side
+                scheduler.stop()
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(app_for(service), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=10)
+        # uvicorn raises the signal it caught again once it has stopped: ignored, so that the scheduler stops
+        # below and the exit is 0, a clean stop's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            Server(config).run()
+        finally:
+            scheduler.stop()  # which tells the other ranks to stop too
+            thread.join(timeout=60)
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
 
 
 def parse_args(argv=None):

@@ -5,8 +5,11 @@ mid-stream frees its row; lm-eval's local-completions scores a repo task through
 input is an OpenAI error object and the server goes on; a bounded load loses nothing."""
 
 import asyncio
+import contextlib
 import copy
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +48,7 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows):
     prompts = [[(7 * i + j) % 64 for j in range(3 + i)] for i in range(5)]
     alone_model = copy.deepcopy(model)
     expected = [generate(alone_model, torch.tensor(p), 6, temperature=0)[len(p):].tolist() for p in prompts]
-    scheduler = serve.Scheduler(model, max_batch=rows, context=64, steps=decode.EAGER, prefill_chunk=4)
+    scheduler = serve.Scheduler(serve.Engine(model, rows, 64, decode.EAGER, prefill_chunk=4), rows, 64)
 
     async def ask_all() -> list[list[int]]:
         loop = asyncio.get_running_loop()
@@ -76,28 +79,42 @@ def get(url: str) -> dict:
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module")
-def server(bundled_checkpoint):
+def started(command: list[str]) -> tuple[str, subprocess.Popen]:
+    """A server (serve.py's flags after `command`) on a free port, once it answers /health: its base URL
+    and process (the leader of its own process group, which stopped() signals)."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--precision", "fp32",
-                                "--max_batch", "8", "--context", str(CONTEXT)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*command, "--port", str(port), "--precision", "fp32", "--context", str(CONTEXT)],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 180
     while time.time() < deadline:
         try:
             get(base + "/health")
-            break
+            return base, process
         except (urllib.error.URLError, ConnectionError):
             if process.poll() is not None:
                 pytest.fail(f"the server stopped: {process.stderr.read()[-2000:]}")
             time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("the server did not answer /health in 120 s")
+    stopped(process, signal.SIGKILL)
+    pytest.fail("the server did not answer /health in 180 s")
+
+
+def stopped(process: subprocess.Popen, sig=signal.SIGTERM) -> int:
+    """The server's exit code once SIGTERM (as a service manager sends it) has stopped its processes."""
+    os.killpg(process.pid, sig)
+    try:
+        return process.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(bundled_checkpoint):
+    base, process = started([sys.executable, "serve.py", "--max_batch", "8"])
     yield base, process
-    process.terminate()
-    process.wait(timeout=30)
+    assert stopped(process) == 0, "the server did not stop cleanly on SIGTERM"
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +285,41 @@ def test_health_and_models(server, name):
     assert get(server[0] + "/health")["status"] == "ok"
     assert get(server[0] + "/v1/models")["data"] == [{"id": name, "object": "model", "created": 0,
                                                       "owned_by": "fastllama"}]
+
+
+def test_sigterm_answers_open_requests_and_stops_cleanly(bundled_checkpoint):
+    """A service manager's SIGTERM: streams and whole answers still open end with a 503 error object (not
+    a connection cut), the log holds no traceback, and the server exits 0."""
+    base, process = started([sys.executable, "serve.py"])
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(client.completions.create, model=None, prompt="Once upon a time", max_tokens=CONTEXT - 8)
+        stream = client.completions.create(prompt="Once upon a time", max_tokens=CONTEXT - 8, stream=True,
+                                           model=None)
+        next(iter(stream))
+        assert stopped(process) == 0
+        with pytest.raises(openai.APIStatusError) as refused:
+            whole.result()
+    assert refused.value.status_code == 503 and "shutting down" in refused.value.message
+    with pytest.raises(openai.APIError, match="shutting down"):
+        list(stream)
+    assert "Traceback" not in process.stderr.read()
+
+
+def test_under_torchrun_rank_zero_serves_and_every_rank_steps(bundled_checkpoint, model_fp32, tokenizer):
+    """Three ranks on gloo, the model sharded as generate.py shards it: rank 0 answers HTTP and broadcasts
+    each call to the model; three requests at once each get their greedy text alone."""
+    base, process = started([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                             "serve.py"])
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS[:3]]
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda m: client.chat.completions.create(
+                model=None, messages=m, max_tokens=16, temperature=0).choices[0].message.content, messages))
+    finally:
+        stopped(process)
+    assert texts == [alone(model_fp32, tokenizer, tokenizer.encode_dialog(m), 16) for m in messages]
 
 
 def test_serve_without_fastapi_or_a_bad_flag_is_one_line():
