@@ -116,21 +116,23 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, n_read: int | None = None) -> tuple[Tensor, Tensor]:
         """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own; return the
-        first n_read slots of the caches (None: all), (B, n_kv, n_read, hd). What lies in slots a row
-        has not written is masked by position (attention_mask) until it is overwritten."""
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)  # (B, 1)
+        first n_read slots of the caches (None: all), (B, n_kv, n_read, hd). A forward of B rows uses the
+        cache's first B (a server steps only as many as it runs). What lies in slots a row has not written
+        is masked by position (attention_mask) until it is overwritten."""
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device).unsqueeze(1)  # (B, 1)
         slots = input_pos % self.k_cache.shape[2]
         store = self.k_cache.dtype
         if store not in SCALED_KV_MAX:
             self.k_cache[rows, :, slots] = k.to(store)
             self.v_cache[rows, :, slots] = v.to(store)
-            return self.k_cache[:, :, :n_read].to(self.dtype), self.v_cache[:, :, :n_read].to(self.dtype)
+            return self.k_cache[:B, :, :n_read].to(self.dtype), self.v_cache[:B, :, :n_read].to(self.dtype)
         for cache, scales, x in ((self.k_cache, self.k_scales, k), (self.v_cache, self.v_scales, v)):
             scale = (x.float().abs().amax(-1, keepdim=True) / SCALED_KV_MAX[store]).clamp(min=1e-8)  # (B, T, n_kv, 1)
             levels = x.float() / scale
             cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
             scales[rows, :, slots] = scale.to(self.dtype)
-        return tuple(cache[:, :, :n_read].to(self.dtype) * scales[:, :, :n_read]
+        return tuple(cache[:B, :, :n_read].to(self.dtype) * scales[:B, :, :n_read]
                      for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
 
 
@@ -238,7 +240,7 @@ class Transformer(nn.Module):
             assert tree is None, "a tree goes through a sliding-window ring in one forward"
             return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
                               for i in range(0, T, self.chunk)], dim=1)
-        key_positions = self.positions if key_positions is None else key_positions  # (B, n)
+        key_positions = self.positions[:B] if key_positions is None else key_positions  # (B, n)
         # what a layer's attention takes, (RoPE (B, T, 2 * rope_dim), mask): a full cache's, and a sliding ring's
         if tree is None:
             rope_pos, full_mask = input_pos, attention_mask(input_pos, key_positions)
@@ -247,10 +249,10 @@ class Transformer(nn.Module):
             full_mask = tree_attention_mask(input_pos, key_positions, tree)
         full_attention = self.rope_cache[rope_pos], full_mask
         if c.sliding_window:
-            rows = torch.arange(B, device=x.device).unsqueeze(1)
-            self.ring_positions[rows, input_pos % self.ring_positions.shape[1]] = input_pos
-            ring_mask = (attention_mask(input_pos, self.ring_positions, c.sliding_window) if tree is None
-                         else tree_attention_mask(input_pos, self.ring_positions, tree))
+            rows, ring = torch.arange(B, device=x.device).unsqueeze(1), self.ring_positions[:B]
+            ring[rows, input_pos % ring.shape[1]] = input_pos
+            ring_mask = (attention_mask(input_pos, ring, c.sliding_window) if tree is None
+                         else tree_attention_mask(input_pos, ring, tree))
             sliding_attention = self.local_rope_cache[rope_pos], ring_mask
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, *(sliding_attention if c.is_sliding(i) else full_attention))

@@ -10,9 +10,9 @@ GET /v1/models, GET /health; `stream` answers with server-sent events ending in 
 One thread, the Scheduler, owns the model and a cache of --max_batch rows. A request waits for a free
 row; its prompt is prefilled in a twin of the model that shares its weights and has a cache of one row,
 a chunk between two decode steps of the rows already running (their streams keep flowing), and then
-copied into its row. Every decode step runs all the rows at once, one fixed shape (compiled: CUDA graphs
-on a GPU); each row samples with its own settings and random stream, outside the step, so that no mix of
-requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop string
+copied into its row. Every decode step runs the rows in use at once, as the first 1, 2, 4, ... rows of
+the cache (a few fixed shapes, each compiled once: CUDA graphs on a GPU); each row samples with its own
+settings and random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop string
 (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the tokens
 it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the others
 hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C answers
@@ -148,10 +148,10 @@ class Engine:
         copy_row(self.twin, self.model, row, length)
 
     def step(self, tokens: list[int], positions: list[int]) -> Tensor:
-        """One decode step of every row: logits (max_batch, 1, V)."""
+        """One decode step of the cache's first len(tokens) rows: logits (len(tokens), 1, V)."""
+        keys = decode.key_positions(self.model, max(positions) + 1, len(tokens))
         tokens = torch.tensor(tokens, device=self.device)[:, None]
         positions = torch.tensor(positions, device=self.device)[:, None]
-        keys = decode.key_positions(self.model, max(positions) + 1)
         return self.steps.target_step(self.model, tokens, positions, keys)[0]
 
     def idle(self):
@@ -265,9 +265,13 @@ class Scheduler:
             self.finish(row, "length")
 
     def decode_step(self):
-        """One step of every row (the free ones too: a fixed shape), then each running row's next token."""
+        """One step of the first rows, up to the last running one, rounded up to a power of 2 (a few fixed
+        shapes: one graph each, compiled), then each running row's next token. A request takes the first
+        free row, so that the rows stepped stay few while few run: the step's time grows with its rows."""
+        last = max(row for row, request in enumerate(self.rows) if request is not None)
+        n = min(1 << last.bit_length(), len(self.rows))
         try:
-            logits = self.engine.call("step", self.tokens, self.positions)
+            logits = self.engine.call("step", self.tokens[:n], self.positions[:n])
         except Exception as e:  # noqa: BLE001 - the rows running now fail; the server goes on
             for row, request in enumerate(self.rows):
                 if request is not None:
@@ -702,29 +706,31 @@ def main(args):
         if rank != 0:
             return engine.follow()
         scheduler = Scheduler(engine, args.max_batch, context)
-        thread = threading.Thread(target=scheduler.run, daemon=True, name="scheduler")
-        thread.start()
         name = args.model_name or checkpoint_path.parent.name
         service = Service(scheduler, get_tokenizer(checkpoint_path), name)
+        # The scheduler runs in the main thread, the one that loaded the model, and HTTP in another: a
+        # second thread running the model has an OpenMP team of its own, and with more threads than
+        # cores OpenMP stops spinning and puts its threads to sleep between ops, which made a step
+        # twice as slow on 2 cores.
+        server = uvicorn.Server(uvicorn.Config(app_for(service), host=args.host, port=args.port,
+                                               log_level=args.log_level, timeout_graceful_shutdown=10))
+        http = threading.Thread(target=server.run, name="http", daemon=True)
+        http.start()
+        while not server.started:
+            if not http.is_alive():
+                raise UserError(f"could not serve on {args.host}:{args.port} (uvicorn's line above says why; "
+                                f"another port: --port)")
+            time.sleep(0.05)
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} rows of {context} positions, "
               f"{device}{f', {world} ranks' if world > 1 else ''})", file=sys.stderr)
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):  # SIGTERM or Ctrl-C: open answers end (503) before the HTTP side
-                scheduler.stop()
-                super().handle_exit(sig, frame)
-
-        config = uvicorn.Config(app_for(service), host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=10)
-        # uvicorn raises the signal it caught again once it has stopped: ignored, so that the scheduler stops
-        # below and the exit is 0, a clean stop's
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIGTERM or Ctrl-C: the scheduler answers what is open (503) and stops, then the HTTP side does
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda number, frame: scheduler.stop())
         try:
-            Server(config).run()
+            scheduler.run()  # and tells the other ranks to stop when it does
         finally:
-            scheduler.stop()  # which tells the other ranks to stop too
-            thread.join(timeout=60)
+            server.should_exit = True
+            http.join(timeout=30)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()

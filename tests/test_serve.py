@@ -322,6 +322,14 @@ def test_under_torchrun_rank_zero_serves_and_every_rank_steps(bundled_checkpoint
     assert texts == [alone(model_fp32, tokenizer, tokenizer.encode_dialog(m), 16) for m in messages]
 
 
+def test_a_port_in_use_is_one_line(server):
+    port = server[0].rsplit(":", 1)[1]
+    run = subprocess.run([sys.executable, "serve.py", "--port", port], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1 and f"error: could not serve on 127.0.0.1:{port}" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_serve_without_fastapi_or_a_bad_flag_is_one_line():
     run = subprocess.run([sys.executable, "serve.py", "--max_batch", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)

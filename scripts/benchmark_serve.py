@@ -1,0 +1,171 @@
+"""The server under load: throughput (generated tokens a second, all clients together) and latency (time
+to the first token, time between tokens, p50 and p95) at each of --clients concurrent clients (1: the
+requests one after another), and against llama.cpp's server (llama-cpp-python's `llama_cpp.server`,
+the same GGUF file) at the same concurrency: each server started here, one at a time, on a free port.
+
+    python scripts/benchmark_serve.py [--clients 1 4 8 16] [--requests 2] [--max_tokens 64] [--llama-cpp]
+        [--json out.json] [-- serve.py's own flags, e.g. --compile]
+
+Each client streams its requests one after another (chat completions, greedy, a prompt of the set each);
+a token's time is the arrival of the chunk holding it, and the tokens of an answer are counted by
+re-tokenizing its text with the model's tokenizer, the same way for both servers.
+"""
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+from convert import bundled_gguf  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
+from generate import find_checkpoint, get_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Tell me about Paris.", "Explain how a bicycle works.", "Describe the water cycle.",
+           "What makes a good story?", "Explain photosynthesis to a child.", "Describe a busy market.",
+           "How do airplanes fly?", "Write about the sea."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def started(command: list[str], url: str, seconds: float = 300) -> subprocess.Popen:
+    """A server process, once it answers url. Its log goes to a file: a pipe nobody reads fills up and
+    stops the server (llama.cpp logs its whole model loading)."""
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            return process
+        except (urllib.error.URLError, ConnectionError):
+            if process.poll() is not None:
+                log.seek(0)
+                raise UserError(f"{command[1]} stopped: {log.read()[-1500:]}")
+            time.sleep(0.5)
+    process.kill()
+    raise UserError(f"{' '.join(command[:3])} did not answer in {seconds:.0f} s")
+
+
+def stream_one(base: str, model: str, prompt: str, max_tokens: int) -> tuple[str, list[float], float]:
+    """One streamed chat completion: its text, the arrival time of each chunk with text, and its start."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    request = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start, text, times = time.perf_counter(), "", []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            piece = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+            if piece:
+                text += piece
+                times.append(time.perf_counter())
+    return text, times, start
+
+
+def load(base: str, model: str, clients: int, requests: int, max_tokens: int, tokenizer) -> dict:
+    """`clients` threads, each streaming `requests` requests one after another."""
+    results, lock = [], threading.Lock()
+
+    def client(i: int):
+        for j in range(requests):
+            text, times, start = stream_one(base, model, PROMPTS[(i * requests + j) % len(PROMPTS)], max_tokens)
+            with lock:
+                results.append((len(tokenizer.encode(text)), times, start))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    tokens = sum(n for n, _, _ in results)
+    first = [(times[0] - start) * 1e3 for _, times, start in results if times]
+    gaps = [(b - a) * 1e3 for _, times, _ in results for a, b in zip(times, times[1:])]
+    return dict(clients=clients, requests=len(results), tokens=tokens, seconds=wall, tok_s=tokens / wall,
+                ttft_p50=pct(first, 50), ttft_p95=pct(first, 95), gap_p50=pct(gaps, 50), gap_p95=pct(gaps, 95))
+
+
+def pct(values: list[float], p: float) -> float:
+    return statistics.quantiles(values, n=100)[p - 1] if len(values) > 1 else (values or [float("nan")])[0]
+
+
+def measure(name: str, base: str, model: str, args, tokenizer) -> list[dict]:
+    rows = []
+    for clients in args.clients:
+        row = dict(load(base, model, clients, args.requests, args.max_tokens, tokenizer), server=name)
+        print(f"{name:24} {clients:7} {row['tok_s']:9.1f} {row['ttft_p50']:9.0f} {row['ttft_p95']:9.0f} "
+              f"{row['gap_p50']:8.1f} {row['gap_p95']:8.1f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(args):
+    checkpoint = find_checkpoint(args.checkpoint_path)
+    tokenizer = get_tokenizer(checkpoint)
+    print(f"{args.requests} requests a client, {args.max_tokens} new tokens at most, greedy; ms")
+    print(f"{'server':24} {'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'gap p50':>8} {'gap p95':>8}")
+    rows = []
+    port = free_port()
+    ours = started([sys.executable, "serve.py", "--port", str(port), "--checkpoint_path", str(checkpoint),
+                    *args.serve_args], f"http://127.0.0.1:{port}/health")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        model = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"]
+        # warm: with --compile, each step shape compiles the first time its rows run (1, 2, 4, ... rows)
+        load(base, model, max(args.clients), 1, 8, tokenizer)
+        rows += measure("ours", base, model, args, tokenizer)
+    finally:
+        ours.terminate()
+        ours.wait(timeout=60)
+    if args.llama_cpp:
+        port = free_port()
+        theirs = started([sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf or bundled_gguf()),
+                          "--port", str(port), "--n_threads", str(args.threads), "--n_ctx", "4096",
+                          "--chat_format", "chatml",
+                          # its default cuts a running answer short when the next request comes
+                          "--interrupt_requests", "False"], f"http://127.0.0.1:{port}/v1/models")
+        try:
+            base = f"http://127.0.0.1:{port}"
+            model = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"]
+            load(base, model, 1, 1, 8, tokenizer)  # warm
+            rows += measure("llama.cpp (llama_cpp.server)", base, model, args, tokenizer)
+        finally:
+            theirs.terminate()
+            theirs.wait(timeout=60)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
+    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's server on the GGUF")
+    p.add_argument("--gguf", type=Path, default=None, help="llama.cpp's file (default: the bundled model's GGUF)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    p.add_argument("--json", default=None)
+    p.add_argument("serve_args", nargs="*", help="after --: serve.py's flags")
+    run_cli(main, p.parse_args())
