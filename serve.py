@@ -175,7 +175,7 @@ class Scheduler:
         self.waiting: queue.Queue[Request | None] = queue.Queue()  # submitted, from other threads
         self.pending: list[Request] = []  # taken from there, in order, waiting for a row
         self.prefilling: Request | None = None
-        self.stopping = False
+        self.stopping = self.closed = False
 
     def submit(self, request: Request):
         self.waiting.put(request)
@@ -196,8 +196,13 @@ class Scheduler:
             if any(self.rows):
                 self.decode_step()
         self.engine.call("stop")
+        self.closed = True  # what comes from now on is refused where it is submitted
         shutting = APIError(503, "the server is shutting down: send the request again once it is back")
-        for request in [*filter(None, self.rows), *self.pending, *filter(None, [self.prefilling])]:
+        late = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                late.append(self.waiting.get_nowait())
+        for request in [*filter(None, self.rows), *self.pending, *filter(None, [self.prefilling] + late)]:
             request.send("error", shutting)
 
     def take_waiting(self, block: bool):
@@ -402,6 +407,8 @@ class Service:
     async def answers(self, request: Request):
         """The request's events, as the scheduler sends them, until it ends; cancelled on the way out
         (a client gone, a stop string found), which frees its row."""
+        if self.scheduler.closed:
+            raise APIError(503, "the server is shutting down: send the request again once it is back")
         request.loop, request.events = asyncio.get_running_loop(), asyncio.Queue()
         self.scheduler.submit(request)
         try:
@@ -723,9 +730,10 @@ def main(args):
             time.sleep(0.05)
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch} rows of {context} positions, "
               f"{device}{f', {world} ranks' if world > 1 else ''})", file=sys.stderr)
-        # SIGTERM or Ctrl-C: the scheduler answers what is open (503) and stops, then the HTTP side does
+        # SIGTERM or Ctrl-C: the scheduler answers what is open (503) and stops, then the HTTP side does. The
+        # handler runs in the main thread, which may hold the queue's lock: another thread hands it the stop.
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda number, frame: scheduler.stop())
+            signal.signal(sig, lambda number, frame: threading.Thread(target=scheduler.stop).start())
         try:
             scheduler.run()  # and tells the other ranks to stop when it does
         finally:
