@@ -7,16 +7,17 @@ Endpoints as OpenAI's API writes them: POST /v1/chat/completions (the checkpoint
 POST /v1/completions (with echo and logprobs, as lm-eval's local-completions scores through them),
 GET /v1/models, GET /health; `stream` answers with server-sent events ending in `data: [DONE]`.
 
-One thread, the Scheduler, owns the model and a cache of --max_batch rows. A request waits for a free
-row; its prompt is prefilled in a twin of the model that shares its weights and has a cache of one row,
-a chunk between two decode steps of the rows already running (their streams keep flowing), and then
-copied into its row. Every decode step runs the rows in use at once, as the first 1, 2, 4, ... rows of
-the cache (a few fixed shapes, each compiled once: CUDA graphs on a GPU); each row samples with its own
-settings and random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop string
-(the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the tokens
-it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the others
-hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C answers
-the requests still open with a 503 error object and stops.
+One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows (HTTP
+runs in another thread). A request waits for a free row; its prompt is prefilled in a twin of the model
+that shares its weights and has a cache of one row, a chunk between two decode steps of the rows already
+running (their streams keep flowing), and then copied into its row. Every decode step runs the rows in
+use at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once: CUDA
+graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that no
+mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
+string (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the
+tokens it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever
+the others hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C
+answers the requests still open with a 503 error object and stops.
 
 Under torchrun (`torchrun --nproc_per_node=N serve.py`) the model is sharded as generate.py shards it:
 rank 0 serves HTTP and schedules, and every rank makes the same calls to its shard (Engine).
@@ -163,7 +164,7 @@ class Engine:
 
 class Scheduler:
     """Runs requests on an Engine of max_batch rows of `context` positions (see the module's docstring).
-    submit() from any thread; run() in the scheduler's own, until stop()."""
+    submit() and stop() from any thread; run() in the model's (the main thread), until stop()."""
 
     IDLE_SECONDS = 60  # how often an idle scheduler tells the other ranks it is there
 
@@ -184,7 +185,7 @@ class Scheduler:
         """Stop after the step running now: every request not yet answered whole is answered 503."""
         self.waiting.put(None)
 
-    @torch.no_grad()  # grad mode is a thread's own: this one's too
+    @torch.no_grad()  # grad mode is a thread's own: so in whatever thread runs it
     def run(self):
         while not self.stopping:
             self.take_waiting(block=not (any(self.rows) or self.prefilling or self.pending))
