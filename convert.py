@@ -401,7 +401,7 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         raise UserError(f"this import would leave out {len(unused)} of the tensors of {gguf_path} (e.g. "
                         f"{unused[0]!r}): convert the model's Hugging Face checkpoint instead")
     # fp32, not bf16: a Q4_1 value (a 4-bit code times an fp16 scale, plus an fp16 minimum) needs more than
-    # bf16's 8 significant bits, and 79% of the bundled model's would round (the fp32 tests against HF need them)
+    # bf16's 8 significant bits, and most of the bundled model's would round (the fp32 tests against HF need them)
     entries = [single(name, torch.float32, shapes[name],
                       lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
                for name, parts in names.items()]

@@ -27,7 +27,7 @@ import tp
 from checkpoint import load_config, read_json, read_metadata, read_safetensors, resolve_checkpoint
 from errors import UserError, refuse, run_cli
 from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer, check_kv_cache_dtype
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import TextPieces, Tokenizer, load_tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_CACHE_DTYPES = {**PRECISIONS, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -435,23 +435,16 @@ def new_token_budget(max_new_tokens: int | None, prompt_length: int, context: in
 
 
 class TextStream:
-    """generate()'s callback for one row: prints its text as the tokens come. Each step decodes the new
-    tokens with those of the step before (a tokenizer spaces a token by its neighbour), not the whole
-    text again, and holds back a character split across tokens (U+FFFD) until it is whole. `text`: what
-    was printed, from the prompt's tokens, where given (a continuation), on."""
+    """generate()'s callback for one row: prints its text as the tokens come (tokenizer.TextPieces).
+    `text`: what was printed, from the prompt's tokens, where given (a continuation), on."""
 
     def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None):
-        self.tokenizer, self.ids, self.text = tokenizer, list(prompt or []), ""
-        self.start = self.shown = 0  # ids[start:shown] decode to the end of self.text
+        self.stop_ids, self.pieces, self.text = tokenizer.stop_ids, TextPieces(tokenizer, prompt), ""
 
     def __call__(self, rows: list[list[int]]):
-        self.ids.extend(t for t in rows[0] if t not in self.tokenizer.stop_ids)
-        before = self.tokenizer.decode(self.ids[self.start:self.shown])
-        after = self.tokenizer.decode(self.ids[self.start:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            print(after[len(before):], end="", flush=True)
-            self.text += after[len(before):]
-            self.start, self.shown = self.shown, len(self.ids)
+        new = self.pieces.add([t for t in rows[0] if t not in self.stop_ids])
+        print(new, end="", flush=True)
+        self.text += new
 
 
 @contextlib.contextmanager

@@ -18,8 +18,8 @@ from errors import UserError
 from moe import MoEFeedForward
 
 # The fused attention kernels this code is tested with (tests/test_cuda.py checks them against the
-# math backend). Not cuDNN's, which PyTorch 2.11 prefers on H100, and which has had reports of wrong
-# results with few key/value heads.
+# math backend). Not cuDNN's, which recent PyTorch prefers on Hopper GPUs, and which has had reports of
+# wrong results with few key/value heads.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # positions a forward takes at a time: prefill's chunk (decode.prefill_logits), and what a sliding-window

@@ -49,7 +49,7 @@ from errors import UserError, run_cli
 from generate import (KV_CACHE_DTYPES, PRECISIONS, compiled_steps, default_device, find_checkpoint, get_tokenizer,
                       load_model)
 from model import PREFILL_CHUNK, Transformer
-from tokenizer import Tokenizer
+from tokenizer import TextPieces, Tokenizer
 
 # what an OpenAI request may carry that this server does not do: refused in one line, not ignored
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
@@ -484,20 +484,18 @@ def stop_strings(body: dict) -> list[str]:
 
 class Text:
     """The text of a request's new tokens, as it may be shown: a character split across tokens waits for
-    its end, and a tail that may be the start of a stop string waits until it is known not to be. add()
-    returns what may be shown now; `stopped` once a stop string is found (the text ends before it)."""
+    its end (tokenizer.TextPieces), and a tail that may be the start of a stop string waits until it is
+    known not to be. add() returns what may be shown now; `stopped` once a stop string is found (the text
+    ends before it)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str]):
-        self.tokenizer, self.stops, self.ids, self.shown, self.stopped = tokenizer, stops, [], "", False
+        self.pieces, self.stops, self.text, self.shown, self.stopped = TextPieces(tokenizer), stops, "", "", False
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, token: int | None = None) -> str:
         """The text a new token (None: the end) makes showable."""
-        if token is not None:
-            self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if token is not None and text.endswith("\ufffd"):
-            return ""
+        self.text += self.pieces.rest() if token is None else self.pieces.add([token])
+        text = self.text
         for stop in self.stops:
             at = text.find(stop, max(0, len(self.shown) - len(stop) + 1))
             if at >= 0:

@@ -600,4 +600,5 @@ def format_stats(stats: dict, k: int) -> str:
     tree = f"{stats['alternatives_kept']} of them ending in an alternative, " if "alternatives_kept" in stats else ""
     return (f"acceptance rate {acceptance_rate(stats, k):.1%}, mean tokens per verify step "
             f"{stats['verify_tokens'] / max(1, sum(counts)):.2f}, accepted drafts per verify step [{histogram}], "
-            f"{tree}{stats['plain_steps']} plain steps (the target's own steps of one token, where the drafter proposed nothing)")
+            f"{tree}{stats['plain_steps']} plain steps (the target's own, of one token, where the drafter "
+            f"proposed nothing)")

@@ -215,6 +215,32 @@ class Tokenizer:
         return [self.bos_id] if self.add_bos else []
 
 
+class TextPieces:
+    """A growing list of token ids as text, a piece at a time. Each add() decodes the new ids with those
+    of the add before (a tokenizer spaces a token by its neighbour), not the whole text again, and holds
+    back a character split across tokens (U+FFFD) until it is whole; rest() gives what is held."""
+
+    def __init__(self, tokenizer: "Tokenizer", ids: list[int] | None = None):
+        self.tokenizer, self.ids = tokenizer, list(ids or [])
+        self.start = self.shown = 0  # ids[start:shown] decode to the end of what add() gave
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before, after = self._decoded()
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.start, self.shown = self.shown, len(self.ids)
+        return after[len(before):]
+
+    def rest(self) -> str:
+        before, after = self._decoded()
+        return after[len(before):]
+
+    def _decoded(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        return decode(self.ids[self.start:self.shown]), decode(self.ids[self.start:])
+
+
 def _token_id(backend, token: str | dict | None) -> int | None:
     """Id of a tokenizer_config.json token entry: a string, or an AddedToken dict with a "content" key."""
     if isinstance(token, dict):
