@@ -190,8 +190,8 @@ def key_positions(model: Transformer, n: int, rows: int | None = None) -> Tensor
     """The cache slots a forward reads when all its positions lie below n: the first n slots of the
     full caches, rounded up to a block of KV_BLOCK (at most all of them), as the positions they hold
     (B, n'), for the first `rows` rows (None: all). So a step's cost follows the depth, and a cache sized
-    for the whole context does not slow a short text. The length is marked dynamic: compiled code makes one graph for every depth
-    (on GPU, CUDA graphs record one replay per block count, without recompiling)."""
+    for the whole context does not slow a short text. The length is marked dynamic: compiled code makes
+    one graph for every depth (on GPU, CUDA graphs record one replay per block count, without recompiling)."""
     keys = model.positions[:rows, : padded_length(n, model.max_seq_length)]
     torch._dynamo.maybe_mark_dynamic(keys, 1)
     return keys

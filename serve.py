@@ -46,8 +46,8 @@ import decode
 import tp
 from checkpoint import load_config
 from errors import UserError, run_cli
-from generate import (KV_CACHE_DTYPES, PRECISIONS, compiled_steps, default_device, find_checkpoint, get_tokenizer,
-                      load_model)
+from generate import (KV_CACHE_DTYPES, PRECISIONS, busy_cores, compiled_steps, cpu_clock, default_device,
+                      find_checkpoint, fit_threads, get_tokenizer, load_model)
 from model import PREFILL_CHUNK, Transformer
 from tokenizer import TextPieces, Tokenizer
 
@@ -702,8 +702,10 @@ def main(args):
             tp.check_divisible(load_config(checkpoint_path), world)
         else:
             checkpoint_path = find_checkpoint(args.checkpoint_path)
-        device = args.device or default_device()
+        device, clock = args.device or default_device(), cpu_clock()
         model = load_model(checkpoint_path, device, args.precision, rank, world)
+        if device == "cpu":
+            fit_threads(busy_cores(clock))  # as generate.py: OpenMP's team waits on a thread sharing a busy core
         context = decode.padded_length(min(args.context or model.config.block_size, model.config.block_size),
                                        model.config.block_size)
         steps = compiled_steps(dynamic_prefill=True) if args.compile else decode.EAGER
