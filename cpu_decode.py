@@ -65,6 +65,11 @@ SHORT_ATTENTION_KEYS = 128
 # head's query heads as one head's rows"), and a guard on compiled prefill's symbolic length would split
 # its one graph.
 FOLDED_ATTENTION_POSITIONS = 16
+# A compiled weighted sum of values (attention's second product, values_product) adds up this many
+# positions' value rows at a time, and then those partial sums: one running sum over all the positions
+# strides down the cache's rows and reads it at about half the speed (benchmarks/RESULTS.md, "Decode
+# attention at depth").
+VALUE_BLOCK = 8
 
 
 def one_row_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -116,13 +121,28 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode or
     verify step's m <= ATTENTION_ROWS rows (the query heads that share a key/value head, times the
-    positions) go through rows_product: each key and value read once for all of them."""
+    positions) go through rows_product, or values_product for the values: each key and value read once
+    for all of them."""
     if not torch.compiler.is_compiling():
         return torch.matmul(a, b)
-    m = a.shape[-2]
+    m, k = a.shape[-2:]
     if statically_known_true(m <= ATTENTION_ROWS):  # not a symbolic count (prefill of any length): no guard
+        # the values lie in memory as rows of head_dim, the keys come transposed. A read of a number of
+        # slots that is not whole blocks (a cache cut at the context's end) gets a graph of its own.
+        if b.stride(-1) == 1 and k % VALUE_BLOCK == 0:
+            return values_product(a, b)
         return rows_product(a, b)
     return (a.unsqueeze(-1).float() * b.unsqueeze(-3).float()).sum(-2)
+
+
+def values_product(probs: Tensor, values: Tensor) -> Tensor:
+    """probs (..., m, S) @ values (..., S, hd), m an int and S a multiple of VALUE_BLOCK, in fp32: the
+    sum over positions taken VALUE_BLOCK value rows at a time, then over those blocks' sums, each block
+    read once for all m rows."""
+    *lead, m, S = probs.shape
+    blocks = values.float().reshape(*lead, S // VALUE_BLOCK, VALUE_BLOCK, values.shape[-1])
+    probs = in_fp32_buffer(probs).reshape(*lead, m, S // VALUE_BLOCK, VALUE_BLOCK, 1)
+    return torch.stack([(probs[..., i, :, :, :] * blocks).sum(-2).sum(-2) for i in range(m)], dim=-2)
 
 
 # oneDNN's own test for a bf16 path (AVX-512 or newer on x86): without it, bf16 matmuls crawl

@@ -43,9 +43,12 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.parametrize("slots", [64, None])
 @pytest.mark.parametrize("variant", VARIANTS)
 @torch.no_grad()
-def test_compiled_cpu_decode_equals_a_full_forward(variant):
+def test_compiled_cpu_decode_equals_a_full_forward(variant, slots):
+    """slots: the full caches' slots a step reads, whole blocks of VALUE_BLOCK (as decode.key_positions
+    reads them: values_product), or None, all 65 (the values through rows_product)."""
     torch.manual_seed(0)
     args = dict(VARIANTS[variant])
     kv_cache_dtype = args.pop("kv_cache_dtype", None)
@@ -62,7 +65,8 @@ def test_compiled_cpu_decode_equals_a_full_forward(variant):
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
-    step = torch.compile(lambda x, pos: model(x, pos), backend=inductor, fullgraph=True, dynamic=False)
+    keys = None if slots is None else model.positions[:, :slots]
+    step = torch.compile(lambda x, pos: model(x, pos, keys), backend=inductor, fullgraph=True, dynamic=False)
     # rows at different depths: row 0 has 16 tokens of prompt, row 1 has 12
     depth = torch.tensor([16, 12])
     model(ids[:, :16], torch.arange(16))
