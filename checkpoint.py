@@ -212,8 +212,15 @@ def copy_companions(checkpoint_path: Path, directory: Path):
 
 def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     """The checkpoint file a user means: a directory means its fastllama.safetensors, and so does a
-    Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted)."""
+    Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted); a GGUF file, its
+    conversion (made on first use)."""
     checkpoint_path = Path(checkpoint_path)
+    if checkpoint_path.suffix == ".gguf":
+        if not checkpoint_path.is_file():
+            raise UserError(f"no GGUF file at {checkpoint_path}")
+        from convert import gguf_checkpoint  # convert.py imports this module
+
+        return gguf_checkpoint(checkpoint_path)
     if checkpoint_path.is_dir():
         checkpoint_path = checkpoint_path / CHECKPOINT_NAME
     if not checkpoint_path.is_file():
@@ -224,7 +231,7 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
         instead = (f"give its directory, {checkpoint_path.parent}, which holds one"
                    if (checkpoint_path.parent / CHECKPOINT_NAME).is_file() else
                    f"give a converted checkpoint's directory, one holding {CHECKPOINT_NAME} and {CONFIG_NAME}, "
-                   f"or that {CHECKPOINT_NAME} itself")
+                   f"that {CHECKPOINT_NAME} itself, or a GGUF file")
         raise UserError(f"{checkpoint_path} is not a checkpoint (a .safetensors file): {instead}")
     metadata = header_metadata(checkpoint_path)  # None for a file that is not safetensors: the reader says why
     foreign = metadata is not None and metadata.get("format") != FORMAT  # a Hugging Face file (any metadata or none)

@@ -339,7 +339,20 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF: the bundled model
+# GGUF files: the bundled model, and any llama-architecture file a user has
+
+# what a GGUF file's linears become, by the type that holds most of their weights (gguf_mode): Q4_0
+# and Q4_1 are int4's own layout and copied as they are; other types are dequantized, then quantized
+# to the mode of the nearest size (with a notice), and a float file stays unquantized
+GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1")
+GGUF_INT8 = ("Q8_0", "Q8_1", "Q8_K", "Q6_K")
+GGUF_FLOATS = ("F32", "F16", "BF16")
+# the GGUF tokenizers this import writes, by their pre-tokenizer (tokenizer.ggml.pre, llama.cpp's
+# name): whether digits are split one by one before GPT-2's byte-level split (SmolLM2's "smollm")
+GGUF_SPLITS = {"gpt-2": False, "smollm": True}
+# the converted GGUF files, each in a folder of its name, beside the bundled model's conversion
+GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
+GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
 
 
 def bundled_gguf() -> Path:
@@ -358,21 +371,114 @@ def bundled_checkpoint() -> Path:
     return DEFAULT_CHECKPOINT
 
 
+def gguf_checkpoint(gguf_path: Path) -> Path:
+    """The checkpoint a GGUF file is converted into (convert_gguf), in GGUF_CHECKPOINTS: converted on its
+    first use, and again when the file has changed since (by its size and modification time)."""
+    gguf_path = Path(gguf_path).resolve()
+    out_dir = GGUF_CHECKPOINTS / gguf_path.stem
+    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "mtime_ns": gguf_path.stat().st_mtime_ns}
+    if (out_dir / GGUF_STAMP).is_file() and read_json(out_dir / GGUF_STAMP) == stamp:
+        return out_dir / CHECKPOINT_NAME
+    print(f"converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)
+    (out_dir / GGUF_STAMP).unlink(missing_ok=True)  # a conversion cut short is done again
+    checkpoint = convert_gguf(gguf_path, out_dir)
+    write_json(out_dir / GGUF_STAMP, stamp)  # last: the folder is whole
+    return checkpoint
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a llama-architecture GGUF file into a checkpoint in out_dir (its weights, config and
+    tokenizer): the linears quantized as gguf_mode says, which a notice on stderr names where it is not
+    the file's own numbers. Returns the checkpoint file."""
+    import tempfile
+
+    from quantize import quantize
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    contents = read_gguf(gguf_path)
+    mode, notice = gguf_mode(contents[1], gguf_path)
+    if notice:
+        print(notice, file=sys.stderr)
+    if mode is None:
+        return import_gguf(gguf_path, out_dir, torch.bfloat16, contents)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix="dequantized-") as dequantized:
+        # bf16: what the unquantized tensors (embeddings, norms) are kept in, and near enough for rounding
+        # the others again (the Q4 linears are copied from the GGUF itself)
+        source = import_gguf(gguf_path, Path(dequantized), torch.bfloat16, contents)
+        return quantize(source, mode, output=out_dir / CHECKPOINT_NAME)
+
+
+def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
+    """The quantize.py mode a GGUF file's linears take (None: unquantized), by the type that holds most
+    of the layers' weights; and a notice naming the types it does not copy as they are (None if none)."""
+    weights = {}  # tensor type -> elements, over the layers' matrices
+    for name, t in tensors.items():
+        if name.startswith("blk.") and len(t.shape) == 2:
+            weights[t.tensor_type.name] = weights.get(t.tensor_type.name, 0) + int(t.n_elements)
+    main = max(weights, key=weights.get)
+    if main in GGUF_LOSSLESS_INT4:
+        mode, kept = "int4-gguf", GGUF_LOSSLESS_INT4
+    elif main in GGUF_FLOATS:
+        mode, kept = None, ()
+    else:
+        mode, kept = ("int8" if main in GGUF_INT8 else "int4"), ()
+    changed = sorted(t for t in weights if t not in kept)
+    if not changed:
+        return mode, None
+    into = {None: "kept unquantized in bf16", "int8": "quantized again as int8 (per output channel)"}.get(
+        mode, "quantized again as int4 (groups of 32)")
+    return mode, f"{gguf_path.name}: its {', '.join(changed)} weights are dequantized and {into}"
+
+
 def gguf_fields(reader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a llama.cpp GGUF file of a Llama model into our fp32 checkpoint plus tokenizer."""
+def read_gguf(gguf_path: Path) -> tuple[dict, dict]:
+    """A GGUF file's metadata and tensors by name, refusing what this import does not take: another
+    architecture, a RoPE scaling, a tokenizer it does not write, a tensor type the gguf package cannot
+    dequantize."""
     try:
         import gguf
     except ImportError:
         raise UserError("importing a GGUF file needs the gguf package: pip install gguf")
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = gguf_fields(reader)
-    if meta.get("general.architecture") != "llama":
-        raise UserError(f"{gguf_path} is a {meta.get('general.architecture')} model, not llama")
-    tensors = {t.name: t for t in reader.tensors}
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as e:
+        raise UserError(f"{gguf_path} is not a GGUF file this gguf package reads: {e}")
+    meta, tensors = gguf_fields(reader), {t.name: t for t in reader.tensors}
+    architecture = meta.get("general.architecture")
+    if architecture != "llama":
+        raise UserError(f"{gguf_path} holds a {architecture} model: only llama-architecture GGUF files are taken; "
+                        f"convert the model's Hugging Face checkpoint instead (scripts/convert_hf_checkpoint.py)")
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise UserError(f"{gguf_path} scales RoPE ({meta['llama.rope.scaling.type']}), which this import does not "
+                        f"take: convert the model's Hugging Face checkpoint instead")
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if model != "gpt2" or pre not in GGUF_SPLITS:
+        raise UserError(f"{gguf_path} has a tokenizer this import does not write ({model!r}, pre-tokenizer {pre!r}); "
+                        f"it takes GPT-2 BPE with the pre-tokenizers {', '.join(GGUF_SPLITS)}: convert the model's "
+                        f"Hugging Face checkpoint instead")
+    for t in {t.tensor_type: t for t in tensors.values()}.values():
+        try:  # one row of each type
+            gguf.quants.dequantize(t.data[:1], t.tensor_type)
+        except (NotImplementedError, KeyError):
+            raise UserError(f"{gguf_path} holds tensors of type {t.tensor_type.name} ({t.name}), which the gguf "
+                            f"package cannot dequantize: take a file of another type")
+    return meta, tensors
+
+
+def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
+                contents: tuple[dict, dict] | None = None) -> Path:
+    """Dequantize a llama.cpp GGUF file of a Llama model into a checkpoint of dtype, plus tokenizer
+    (contents: read_gguf's, where the caller has read it: a large vocabulary takes seconds to parse).
+    fp32 for the bundled model: a Q4_1 value (a 4-bit code times an fp16 scale, plus an fp16 minimum)
+    needs more than bf16's 8 significant bits, and most of the bundled model's would round (the fp32
+    tests against HF need them)."""
+    import gguf
+
+    meta, tensors = contents or read_gguf(gguf_path)
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
     args = ModelArgs(
         block_size=meta["llama.context_length"],
@@ -400,10 +506,8 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if unused:  # rope_freqs.weight (Llama 3.1's RoPE scaling), say: a model this import would compute wrong
         raise UserError(f"this import would leave out {len(unused)} of the tensors of {gguf_path} (e.g. "
                         f"{unused[0]!r}): convert the model's Hugging Face checkpoint instead")
-    # fp32, not bf16: a Q4_1 value (a 4-bit code times an fp16 scale, plus an fp16 minimum) needs more than
-    # bf16's 8 significant bits, and most of the bundled model's would round (the fp32 tests against HF need them)
-    entries = [single(name, torch.float32, shapes[name],
-                      lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]))
+    entries = [single(name, dtype, shapes[name],
+                      lambda parts=parts: torch.cat([dequantize(n, h) for n, h in parts]).to(dtype))
                for name, parts in names.items()]
 
     out_dir = Path(out_dir)
@@ -439,8 +543,6 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def write_gguf_tokenizer(meta: dict, out_dir: Path):
     """A HF tokenizer.json and tokenizer_config.json from a GGUF file's GPT-2-style BPE vocabulary."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise UserError(f"GGUF tokenizer type {meta.get('tokenizer.ggml.model')!r} is not supported (only gpt2 BPE)")
     import gguf
 
     try:
@@ -450,8 +552,7 @@ def write_gguf_tokenizer(meta: dict, out_dir: Path):
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    # SmolLM2 ("smollm" in llama.cpp) splits digits one by one before the GPT-2 byte-level split
-    split_digits = [pre_tokenizers.Digits(individual_digits=True)] if meta.get("tokenizer.ggml.pre") == "smollm" else []
+    split_digits = [pre_tokenizers.Digits(individual_digits=True)] if GGUF_SPLITS[meta["tokenizer.ggml.pre"]] else []
     tok.pre_tokenizer = pre_tokenizers.Sequence(split_digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == gguf.TokenType.CONTROL]

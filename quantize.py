@@ -443,9 +443,12 @@ class Int4GPTQ(Int4):
 
 class Int4GGUF(Int4):
     """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
-    levels q, w = d * q + m) is int4's layout at groupsize 32, so the linears are copied from the
-    GGUF, not re-quantized: the file holds its levels and fp16 scales and mins exactly (at run time the
-    int4 kernels take scales and zeros in bf16, to which these round: about 2^-9 of each, relative)."""
+    levels q, w = d * q + m) and Q4_0 (w = d * (q - 8): min -8d) are int4's layout at groupsize 32, so
+    those linears are copied from the GGUF, not re-quantized: the file holds their levels and fp16
+    scales and mins exactly (at run time the int4 kernels take scales and zeros in bf16, to which these
+    round: about 2^-9 of each, relative). A linear the GGUF holds in another type (a Q6_K among a
+    Q4_K_M file's, say) is rounded to int4 from the import's dequantized weight. Its method keeps the
+    name it was first written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
@@ -457,7 +460,7 @@ class Int4GGUF(Int4):
     @classmethod
     def from_options(cls, groupsize: int, **calibration) -> "Int4GGUF":
         if groupsize != 32:
-            raise UserError("int4-gguf keeps the GGUF's Q4_1 groups of 32: leave out --groupsize")
+            raise UserError("int4-gguf keeps the GGUF's Q4_0 and Q4_1 groups of 32: leave out --groupsize")
         return cls()
 
     def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
@@ -473,8 +476,12 @@ class Int4GGUF(Int4):
         return gguf_path
 
     def group(self, name: str, read, shape: tuple) -> Group:
+        parts = self.parts[name]
+        if not all(q4_blocks(self.tensors[part]) for part, _ in parts):
+            return super().group(name, read, shape)
+
         def make():  # each part's tensors, concatenated along rows
-            return [torch.cat(p) for p in zip(*(q4_1(self.tensors[part], heads) for part, heads in self.parts[name]))]
+            return [torch.cat(p) for p in zip(*(q4_levels(self.tensors[part], heads) for part, heads in parts))]
 
         return self.specs(name, shape, torch.float16), make
 
@@ -763,22 +770,28 @@ def python_docs_text(part: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The bundled GGUF's Q4_1 weights, imported without loss (Int4GGUF)
+# A GGUF file's Q4_0 and Q4_1 weights, imported without loss (Int4GGUF)
 
 
-def q4_1(tensor, heads: int | None) -> list[Tensor]:
-    """A GGUF file's Q4_1 tensor as int4's packed levels and fp16 scales and mins, its rows in our
-    order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not)."""
+def q4_blocks(tensor) -> int | None:
+    """The bytes of one block of 32 of a GGUF tensor of Q4_0 (fp16 scale, 16 bytes of levels) or Q4_1
+    (and an fp16 min); None for another type."""
     import gguf
 
+    return {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}.get(tensor.tensor_type)
+
+
+def q4_levels(tensor, heads: int | None) -> list[Tensor]:
+    """A GGUF file's Q4_0 or Q4_1 tensor as int4's packed levels and fp16 scales and mins, its rows in
+    our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not)."""
     from convert import unpermute_rows
 
-    if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-        raise UserError(f"{tensor.name} is {tensor.tensor_type.name}, not Q4_1: this GGUF has no lossless int4 import")
-    blocks = torch.from_numpy(tensor.data.copy()).view(tensor.data.shape[0], -1, 20)  # (rows, k/32, 20 bytes)
-    d, m, qs = blocks[..., :2], blocks[..., 2:4], blocks[..., 4:]
+    size = q4_blocks(tensor)
+    blocks = torch.from_numpy(tensor.data.copy()).view(tensor.data.shape[0], -1, size)  # (rows, k/32, size)
+    qs = blocks[..., size - 16:]
     levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
-    d, m = (x.contiguous().view(torch.float16)[..., 0] for x in (d, m))  # (rows, k/32) each
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]  # (rows, k/32)
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if size == 20 else d * -8  # exact: a power of 2
     parts = [pack_int4(levels), d, m]
     return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 
@@ -799,7 +812,7 @@ if __name__ == "__main__":
                                 allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--mode", required=True,
-                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_1 weights losslessly)")
+                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_0/Q4_1 weights losslessly)")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {GROUPSIZES}")
     p.add_argument("--calibration_file", type=Path, default=None,
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")

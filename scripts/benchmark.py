@@ -726,7 +726,8 @@ def model_arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--groupsize", type=int, default=32, help="of --quantized int4")
     p.add_argument("--llama-bench", default=None, metavar="BIN",
                    help="llama.cpp's llama-bench binary: its decode speed on the GGUF, in the same run")
-    p.add_argument("--gguf", default=None, help="the GGUF file for --llama-bench (default: the bundled one)")
+    p.add_argument("--gguf", default=None, help="the GGUF file for llama.cpp (default: the bundled one); "
+                   "without --checkpoint_path or --model, ours runs on it too")
     p.add_argument("--json", default=None, help="write the results to this file")
     return p
 

@@ -1,10 +1,12 @@
 """Long context: decode ms/token after D tokens of context, for each of --depths, per KV cache format
 (--kv_cache_dtype), for --precision's model or each --quantized one, all in one cache sized for the
 deepest (a step's cost must follow its depth, not the cache's size); prefill of the deepest prompt
-with its peak memory beyond what the model holds; llama.cpp's llama-bench at the same depths beside them.
-MBU counts the weights and the KV bytes a step reads.
+with its peak memory beyond what the model holds; llama.cpp at the same depths beside them (its
+llama-bench, or llama-cpp-python with --llama-cpp). MBU counts the weights and the KV bytes a step
+reads; "KV GB/s", the cache bytes a step reads beyond the first depth's over the time it takes beyond it.
 
     python scripts/benchmark_depths.py --depths 0 1024 4096 8000 --quantized int4 --kv_cache_dtype bf16 int8 --llama-bench PATH/llama-bench
+    python scripts/benchmark_depths.py --gguf model.gguf --depths 0 1024 4096 --kv_cache_dtype bf16 int8 --no-prefill --llama-cpp
     python scripts/benchmark_depths.py --model Llama-3.1-8B --random-weights --device cuda --depths 0 8192 32768 --kv_cache_dtype bf16 int8 fp8 --no-prefill
 """
 
@@ -19,8 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
+import quantize  # noqa: E402
 from benchmark import (check_model_arguments, copy_bandwidth_gbs, full_config, llama_bench_json, load,  # noqa: E402
                        model_arguments, quantized_models, timed, write_record)
+from checkpoint import read_metadata  # noqa: E402
+from convert import bundled_gguf  # noqa: E402
 from errors import UserError, refuse, run_cli  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -43,7 +48,9 @@ def depths_main(args):
         raise UserError(f"depth {depths[-1]} and {n} new tokens exceed the model's context of {model.config.block_size}: "
                         f"ask for shallower --depths or fewer --max_new_tokens")
     steps = gen.compiled_steps(dynamic_prefill=True)
-    models = [(args.precision, model)] if not args.quantized else list(quantized_models(args, model))
+    scheme = None if args.model else quantize.read_scheme(read_metadata(gen.find_checkpoint(args.checkpoint_path)))
+    name = args.precision if scheme is None else f"{scheme.method}, {args.precision}"  # a quantized checkpoint's
+    models = [(name, model)] if not args.quantized else list(quantized_models(args, model))
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
     bandwidth = copy_bandwidth_gbs(args.device)
@@ -70,9 +77,14 @@ def depths_main(args):
             row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
                        ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
                        prefill_peak_mb=peak_mb, own_cache=own)
+            # the cache read beyond the first depth's, over the time beyond it
+            kv_gbs = [(bytes_read_per_step(m, d, n) - bytes_read_per_step(m, depths[0], n)) / ((x - ms[0]) / 1e3) / 1e9
+                      if d > depths[0] and x > ms[0] else None for d, x in zip(depths, ms)]
+            row["kv_gb_s"] = dict(zip(depths, kv_gbs))
             print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
                   + ("" if args.no_prefill else f" {prefill_tok_s:13.1f} {peak_mb:8.1f}"))
             print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
+            print(f"{'':24} {'KV GB/s':8} {'':7} " + " ".join(f"{x:9.1f}" if x else f"{'':9}" for x in kv_gbs))
             if own:
                 print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
                       f"{own['ms_per_token']:.2f} ms (in the deep cache: "
@@ -87,6 +99,14 @@ def depths_main(args):
         print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
               + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths)
               + ("" if args.no_prefill else f" {row['prefill_tok_s']:13.1f}"))
+        rows.append(row)
+    if args.llama_cpp:
+        ms = llama_cpp_ms(args, depths, n)
+        row = dict(weights="llama.cpp (llama-cpp-python)", kv_cache="f16", ms_per_token=ms)
+        print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} " + " ".join(f"{ms[d]:9.2f}" for d in depths))
+        for ours in rows[:-1] if args.llama_bench else rows:  # how many times faster ours decodes
+            print(f"{'ours / llama.cpp':24} {ours['kv_cache']:8} {'':7} "
+                  + " ".join(f"{ms[d] / ours['ms_per_token'][d]:8.2f}x" for d in depths))
         rows.append(row)
     if args.json:
         write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
@@ -118,6 +138,37 @@ def decode_ms_at_depth(model: Transformer, depth: int, n: int, args, steps: deco
     what = "cache filled at random and first pass" if args.no_prefill else "first prefill and pass"
     print(f"  {model.kv_cache_dtype or 'model dtype'} cache, depth {depth}: {ms:.2f} ms/token ({what} "
           f"{first_s:.1f} s, compiling included)", flush=True)
+    return ms
+
+
+def llama_cpp_ms(args, depths: list[int], n: int) -> dict[int, float]:
+    """llama.cpp's decode ms/token after each depth, through llama-cpp-python on as many threads as ours
+    (its default KV cache, f16): a random prompt of that depth evaluated once, untimed, then n one-token
+    steps from that depth, each run (the cache past the depth is dropped before each)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise UserError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python")
+    llm = Llama(str(args.gguf or bundled_gguf()), n_ctx=depths[-1] + n + 1, n_batch=512,
+                n_threads=torch.get_num_threads(), verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    ms = {}
+    for depth in depths:
+        prompt = torch.randint(0, llm.n_vocab(), (max(depth, 1),), generator=generator).tolist()
+        steps = torch.randint(0, llm.n_vocab(), (n,), generator=generator).tolist()  # the tokens each step takes
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - start
+
+        def decode_n():
+            llm.n_tokens = len(prompt)  # back to the depth: eval drops the cache past it
+            for token in steps:
+                llm.eval([token])
+
+        decode_n()
+        ms[depth] = statistics.median(timed(decode_n, "cpu") for _ in range(args.runs)) / n * 1e3
+        print(f"  llama.cpp, depth {depth}: {ms[depth]:.2f} ms/token (prompt {prefill_s:.1f} s)", flush=True)
     return ms
 
 
@@ -184,11 +235,17 @@ if __name__ == "__main__":
                    help="the KV cache formats to measure")
     p.add_argument("--no-own-cache", action="store_true",
                    help="skip the first depth's run in a cache sized for it (two compiles a format)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also llama.cpp through llama-cpp-python on --gguf (default: the bundled model's GGUF)")
     p.add_argument("--no-prefill", action="store_true",
                    help="decode over random cache contents, no prompt prefilled (a step's cost is the same; on a "
                         "GPU, compiling the 8B's prefill took 169 s) and no prefill row")
     args = p.parse_args()
+    if args.gguf and not (args.model or args.checkpoint_path):  # ours on the file llama.cpp runs
+        args.checkpoint_path = args.gguf
     check_model_arguments(args)
+    if args.llama_cpp and (args.model or args.checkpoint_path != args.gguf) and not args.gguf:
+        refuse("--llama-cpp measures the bundled model's GGUF unless --gguf names this model's")
     if min(args.depths) < 0 or max(args.depths) == 0:
         refuse("--depths takes context depths, each 0 or more, the deepest above 0")
     run_cli(depths_main, args)

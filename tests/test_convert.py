@@ -143,6 +143,8 @@ def test_a_gguf_tensor_the_import_would_leave_out_is_refused(tmp_path):
                        "attention.head_count": 2, "attention.head_count_kv": 1}.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
     writer.add_token_list(["a", "b", "c", "d"])
     writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     writer.add_tensor("rope_freqs.weight", torch.ones(2).numpy())

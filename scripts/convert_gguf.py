@@ -1,0 +1,36 @@
+"""Convert a llama-architecture GGUF file into a checkpoint of ours, once (generate.py, serve.py and
+eval.py do the same on first use of `--checkpoint_path FILE.gguf`).
+
+    python scripts/convert_gguf.py --gguf model.Q4_0.gguf [--output_dir DIR]
+
+Q4_0 and Q4_1 weights are copied as int4 without loss; Q8_0 and Q6_K become int8, other quantized
+types int4, both dequantized and quantized again (a notice says so); F32, F16 and BF16 stay
+unquantized, in bf16. The GGUF file is only read.
+"""
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+
+from convert import GGUF_CHECKPOINTS, convert_gguf, gguf_checkpoint  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
+
+
+def main(args):
+    if not args.gguf.is_file():
+        raise UserError(f"no GGUF file at {args.gguf}")
+    path = gguf_checkpoint(args.gguf) if args.output_dir is None else convert_gguf(args.gguf, args.output_dir)
+    print(f"wrote {path}; run: python generate.py --checkpoint_path {shlex.quote(str(path.parent))}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--gguf", type=Path, required=True, help="the GGUF file")
+    parser.add_argument("--output_dir", type=Path, default=None,
+                        help="where to write the checkpoint (default: checkpoints/gguf/NAME in the repository, where "
+                             "--checkpoint_path NAME.gguf finds it)")
+    run_cli(main, parser.parse_args())

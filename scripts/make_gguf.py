@@ -1,0 +1,103 @@
+"""A GGUF file of random weights in a known model shape, with the bundled model's tokenizer: what
+benchmarks and tests run on where the real file is too large to have (llama.cpp reads it too).
+
+    python scripts/make_gguf.py --model SmolLM2-1.7B --type Q4_1 --output /tmp/smollm2-1.7b-random.Q4_1.gguf
+
+The shape's vocabulary must be the bundled tokenizer's (the SmolLM2 shapes'). The layers' matrices
+are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
+(it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
+with a standard deviation of dim^-0.5, so that the activations stay of the size real models have.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from errors import UserError, run_cli  # noqa: E402
+from shapes import shape  # noqa: E402
+
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = "Q8_0",
+              n_layer: int | None = None, seed: int = 0) -> Path:
+    import gguf
+
+    from convert import bundled_gguf
+
+    args = shape(model)
+    n_layer = n_layer or args.n_layer
+    # the bundled model's tokenizer fields, with their types (llama.cpp checks them)
+    tokenizer = {name: (field.contents(), field.types) for name, field in gguf.GGUFReader(str(bundled_gguf())).fields.items()
+                 if name.startswith("tokenizer.")}
+    vocabulary = len(tokenizer["tokenizer.ggml.tokens"][0])
+    if vocabulary != args.vocab_size:
+        raise UserError(f"{model} has a vocabulary of {args.vocab_size}, the bundled tokenizer one of {vocabulary}: "
+                        f"take a SmolLM2 shape")
+    if args.rope_scaling or args.qkv_bias or args.qk_norm or args.sliding_window or args.n_experts:
+        raise UserError(f"{model} is not a plain Llama: take a SmolLM2 shape")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")  # renamed once whole
+    writer = gguf.GGUFWriter(str(partial), "llama")
+    writer.add_context_length(args.block_size)
+    writer.add_block_count(n_layer)
+    writer.add_embedding_length(args.dim)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.n_head)
+    writer.add_head_count_kv(args.n_local_heads)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_freq_base(args.rope_base)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+    for key, (value, types) in tokenizer.items():
+        writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, rows: int, cols: int, kind: str):
+        w = (rng.standard_normal((rows, cols), dtype=np.float32) * args.dim ** -0.5)
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+    add("token_embd.weight", args.vocab_size, args.dim, embedding_type)
+    if not args.tie_embeddings:
+        add("output.weight", args.vocab_size, args.dim, tensor_type)
+    writer.add_tensor("output_norm.weight", np.ones(args.dim, dtype=np.float32))
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for name, rows, cols in (("attn_q", q, args.dim), ("attn_k", kv, args.dim), ("attn_v", kv, args.dim),
+                                 ("attn_output", args.dim, q), ("ffn_gate", args.intermediate_size, args.dim),
+                                 ("ffn_up", args.intermediate_size, args.dim),
+                                 ("ffn_down", args.dim, args.intermediate_size)):
+            add(f"{b}{name}.weight", rows, cols, tensor_type)
+        writer.add_tensor(f"{b}attn_norm.weight", np.ones(args.dim, dtype=np.float32))
+        writer.add_tensor(f"{b}ffn_norm.weight", np.ones(args.dim, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(output)
+    return output
+
+
+def main(args):
+    path = make_gguf(args.output, args.model, args.type, args.embedding_type, args.n_layer, args.seed)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--model", default="SmolLM2-1.7B", help="a known shape (scripts/shapes.py) of SmolLM2's vocabulary")
+    p.add_argument("--type", choices=TYPES, default="Q4_1", help="of the layers' matrices")
+    p.add_argument("--embedding_type", choices=TYPES, default="Q8_0", help="of the embedding table")
+    p.add_argument("--n_layer", type=int, default=None, help="fewer layers than the shape has (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, required=True)
+    run_cli(main, p.parse_args())

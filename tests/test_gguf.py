@@ -1,0 +1,132 @@
+"""Any llama-architecture GGUF file as a checkpoint: Q4_0 and Q4_1 copied as int4 without loss, Q8_0
+as int8, other types dequantized and quantized again with a notice, floats kept unquantized; what the
+import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
+layers, with the bundled model's tokenizer (scripts/make_gguf.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import convert
+import quantize
+from checkpoint import CHECKPOINT_NAME, load_config, read_safetensors, resolve_checkpoint
+
+gguf = pytest.importorskip("gguf")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from make_gguf import make_gguf  # noqa: E402
+
+LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+
+
+@pytest.fixture(scope="module")
+def files(bundled_checkpoint, tmp_path_factory):
+    """A small GGUF file of each type, made once: {type: path}."""
+    folder = tmp_path_factory.mktemp("gguf")
+    return {kind: make_gguf(folder / f"tiny-{kind}.gguf", "SmolLM2-135M", kind, n_layer=2)
+            for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16")}
+
+
+def source_weights(path: Path, config) -> dict[str, torch.Tensor]:
+    """Each of our linears' weights as the GGUF file's own dequantization gives it, rows in our order."""
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+    def dequantized(name: str, heads: int | None) -> torch.Tensor:
+        t = tensors[name]
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        return w if heads is None else convert.unpermute_rows(w, heads)
+
+    return {name.removesuffix(".weight"): torch.cat([dequantized(n, h) for n, h in parts])
+            for name, parts in convert.gguf_names(config).items() if name.removesuffix(".weight").endswith(LINEARS)}
+
+
+def converted(path: Path, out: Path, capfd) -> tuple[dict, dict, dict, str]:
+    """Convert path into out: (our tensors, their metadata, the source's weights, what was said on stderr)."""
+    capfd.readouterr()
+    checkpoint = convert.convert_gguf(path, out)
+    said = capfd.readouterr().err
+    ours, metadata = read_safetensors(checkpoint)
+    return ours, metadata, source_weights(path, load_config(checkpoint)), said
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
+    ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
+    assert type(quantize.read_scheme(metadata)) is quantize.Int4GGUF
+    assert len(source) == 4 * 2
+    for name, w in source.items():
+        mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
+        assert torch.equal(mine, w), name
+    assert "dequantized" not in said  # the embedding table (Q8_0) is not one of the linears: no notice
+
+
+@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.01), ("Q5_0", "int4", 0.1), ("F16", None, 0.005)])
+def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tmp_path, capfd, kind, mode, tolerance):
+    ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
+    scheme = quantize.read_scheme(metadata)
+    assert (scheme and scheme.layout) == mode
+    notice = [line for line in said.splitlines() if "dequantized" in line]
+    assert len(notice) == 1 and kind in notice[0] and f"tiny-{kind}.gguf" in notice[0], said
+    for name, w in source.items():
+        if mode == "int8":
+            mine = ours[f"{name}.weight"].float() * ours[f"{name}.scales"].float()[:, None]
+        elif mode == "int4":
+            mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
+        else:
+            mine = ours[f"{name}.weight"].float()
+        assert (mine - w).abs().max() <= tolerance * w.abs().max(), name
+
+
+def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_changes(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert, "GGUF_CHECKPOINTS", tmp_path / "gguf")
+    conversions = []
+    real = convert.convert_gguf
+    monkeypatch.setattr(convert, "convert_gguf", lambda *a: conversions.append(a) or real(*a))
+    path = shutil.copy(files["Q4_1"], tmp_path / "model.gguf")
+    first = resolve_checkpoint(path)
+    assert first == tmp_path / "gguf" / "model" / CHECKPOINT_NAME and len(conversions) == 1
+    assert resolve_checkpoint(path) == first and len(conversions) == 1
+    os.utime(path, ns=(0, 0))
+    assert resolve_checkpoint(path) == first and len(conversions) == 2
+
+
+def test_generate_runs_on_a_gguf_file(files, tmp_path):
+    """The command line, as a user runs it: the file converted into checkpoints/gguf/NAME, then decoded."""
+    path = shutil.copy(files["Q4_0"], tmp_path / f"test-gguf-{os.getpid()}.gguf")
+    try:
+        run = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(path), "--prompt", "Hello",
+                              "--max_new_tokens", "4", "--temperature", "0"],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        assert "converting" in run.stderr and "4 tokens" in run.stdout + run.stderr
+    finally:
+        shutil.rmtree(convert.GGUF_CHECKPOINTS / path.stem, ignore_errors=True)
+
+
+def minimal_gguf(path: Path, architecture: str = "llama", pre: str = "smollm") -> Path:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_uint32(f"{architecture}.block_count", 1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "c", "d"])
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture, pre, named", [("qwen2", "smollm", "holds a qwen2 model"),
+                                                      ("llama", "llama-bpe", "pre-tokenizer 'llama-bpe'")])
+def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architecture, pre, named):
+    path = minimal_gguf(tmp_path / "model.gguf", architecture, pre)
+    run = subprocess.run([sys.executable, "scripts/convert_gguf.py", "--gguf", str(path), "--output_dir",
+                          str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and named in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()
