@@ -212,15 +212,11 @@ def copy_companions(checkpoint_path: Path, directory: Path):
 
 def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
     """The checkpoint file a user means: a directory means its fastllama.safetensors, and so does a
-    Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted); a GGUF file, its
-    conversion (made on first use)."""
+    Hugging Face file beside it (checkpoints/REPO/model.safetensors, once converted)."""
     checkpoint_path = Path(checkpoint_path)
     if checkpoint_path.suffix == ".gguf":
-        if not checkpoint_path.is_file():
-            raise UserError(f"no GGUF file at {checkpoint_path}")
-        from convert import gguf_checkpoint  # convert.py imports this module
-
-        return gguf_checkpoint(checkpoint_path)
+        raise UserError(f"{checkpoint_path} is a GGUF file: generate.py, serve.py and eval.py take it as it is "
+                        f"(converted on first use); convert it once with scripts/convert_gguf.py for the rest")
     if checkpoint_path.is_dir():
         checkpoint_path = checkpoint_path / CHECKPOINT_NAME
     if not checkpoint_path.is_file():
@@ -231,7 +227,7 @@ def resolve_checkpoint(checkpoint_path: Path | str) -> Path:
         instead = (f"give its directory, {checkpoint_path.parent}, which holds one"
                    if (checkpoint_path.parent / CHECKPOINT_NAME).is_file() else
                    f"give a converted checkpoint's directory, one holding {CHECKPOINT_NAME} and {CONFIG_NAME}, "
-                   f"that {CHECKPOINT_NAME} itself, or a GGUF file")
+                   f"or that {CHECKPOINT_NAME} itself")
         raise UserError(f"{checkpoint_path} is not a checkpoint (a .safetensors file): {instead}")
     metadata = header_metadata(checkpoint_path)  # None for a file that is not safetensors: the reader says why
     foreign = metadata is not None and metadata.get("format") != FORMAT  # a Hugging Face file (any metadata or none)

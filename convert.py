@@ -371,44 +371,6 @@ def bundled_checkpoint() -> Path:
     return DEFAULT_CHECKPOINT
 
 
-def gguf_checkpoint(gguf_path: Path) -> Path:
-    """The checkpoint a GGUF file is converted into (convert_gguf), in GGUF_CHECKPOINTS: converted on its
-    first use, and again when the file has changed since (by its size and modification time)."""
-    gguf_path = Path(gguf_path).resolve()
-    out_dir = GGUF_CHECKPOINTS / gguf_path.stem
-    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "mtime_ns": gguf_path.stat().st_mtime_ns}
-    if (out_dir / GGUF_STAMP).is_file() and read_json(out_dir / GGUF_STAMP) == stamp:
-        return out_dir / CHECKPOINT_NAME
-    print(f"converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)
-    (out_dir / GGUF_STAMP).unlink(missing_ok=True)  # a conversion cut short is done again
-    checkpoint = convert_gguf(gguf_path, out_dir)
-    write_json(out_dir / GGUF_STAMP, stamp)  # last: the folder is whole
-    return checkpoint
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a llama-architecture GGUF file into a checkpoint in out_dir (its weights, config and
-    tokenizer): the linears quantized as gguf_mode says, which a notice on stderr names where it is not
-    the file's own numbers. Returns the checkpoint file."""
-    import tempfile
-
-    from quantize import quantize
-
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    contents = read_gguf(gguf_path)
-    mode, notice = gguf_mode(contents[1], gguf_path)
-    if notice:
-        print(notice, file=sys.stderr)
-    if mode is None:
-        return import_gguf(gguf_path, out_dir, torch.bfloat16, contents)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix="dequantized-") as dequantized:
-        # bf16: what the unquantized tensors (embeddings, norms) are kept in, and near enough for rounding
-        # the others again (the Q4 linears are copied from the GGUF itself)
-        source = import_gguf(gguf_path, Path(dequantized), torch.bfloat16, contents)
-        return quantize(source, mode, output=out_dir / CHECKPOINT_NAME)
-
-
 def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
     """The quantize.py mode a GGUF file's linears take (None: unquantized), by the type that holds most
     of the layers' weights; and a notice naming the types it does not copy as they are (None if none)."""

@@ -24,7 +24,8 @@ import decode
 import quantize
 import speculative
 import tp
-from checkpoint import load_config, read_json, read_metadata, read_safetensors, resolve_checkpoint
+from checkpoint import (CHECKPOINT_NAME, load_config, read_json, read_metadata, read_safetensors, resolve_checkpoint,
+                        write_json)
 from errors import UserError, refuse, run_cli
 from model import PREFILL_CHUNK, ModelArgs, MoEFeedForward, Transformer, check_kv_cache_dtype
 from tokenizer import TextPieces, Tokenizer, load_tokenizer
@@ -48,12 +49,57 @@ NO_FILTER = dict(top_k=0, top_p=1)
 
 
 def find_checkpoint(checkpoint_path: Path | str | None) -> Path:
-    """The checkpoint file a user means; None is the bundled model, converted on first use."""
+    """The checkpoint file a user means; None is the bundled model, and a GGUF file its conversion, both
+    converted on first use."""
     if checkpoint_path is None:
         from convert import bundled_checkpoint  # conversion code is loaded only when it may be needed
 
         return bundled_checkpoint()
+    if Path(checkpoint_path).suffix == ".gguf":
+        return gguf_checkpoint(Path(checkpoint_path))
     return resolve_checkpoint(checkpoint_path)
+
+
+def gguf_checkpoint(gguf_path: Path) -> Path:
+    """The checkpoint a GGUF file is converted into (convert_gguf), in convert.GGUF_CHECKPOINTS: converted
+    on its first use, and again when the file has changed since (by its size and modification time)."""
+    import convert
+
+    if not gguf_path.is_file():
+        raise UserError(f"no GGUF file at {gguf_path}")
+    gguf_path = gguf_path.resolve()
+    out_dir = convert.GGUF_CHECKPOINTS / gguf_path.stem
+    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "mtime_ns": gguf_path.stat().st_mtime_ns}
+    if (out_dir / convert.GGUF_STAMP).is_file() and read_json(out_dir / convert.GGUF_STAMP) == stamp:
+        return out_dir / CHECKPOINT_NAME
+    print(f"converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)
+    (out_dir / convert.GGUF_STAMP).unlink(missing_ok=True)  # a conversion cut short is done again
+    checkpoint = convert_gguf(gguf_path, out_dir)
+    write_json(out_dir / convert.GGUF_STAMP, stamp)  # last: the folder is whole
+    return checkpoint
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a llama-architecture GGUF file into a checkpoint in out_dir (its weights, config and
+    tokenizer), the linears quantized as convert.gguf_mode says, with its notice on stderr where that is
+    not the file's own numbers. Returns the checkpoint file. (Here, not in convert.py: it quantizes, and
+    quantize.py reads convert.py's GGUF names.)"""
+    import tempfile
+
+    import convert
+
+    contents = convert.read_gguf(gguf_path)
+    mode, notice = convert.gguf_mode(contents[1], gguf_path)
+    if notice:
+        print(notice, file=sys.stderr)
+    if mode is None:
+        return convert.import_gguf(gguf_path, out_dir, torch.bfloat16, contents)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix="dequantized-") as dequantized:
+        # bf16: what the unquantized tensors (embeddings, norms) are kept in, and near enough for rounding
+        # the others again (Q4_0 and Q4_1 linears are copied from the GGUF itself)
+        source = convert.import_gguf(gguf_path, Path(dequantized), torch.bfloat16, contents)
+        return quantize.quantize(source, mode, output=out_dir / CHECKPOINT_NAME)
 
 
 def load_model(checkpoint_path: Path | str | None = None, device: str | None = None,

@@ -15,13 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from convert import GGUF_CHECKPOINTS, convert_gguf, gguf_checkpoint  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from errors import run_cli  # noqa: E402
+from generate import convert_gguf, gguf_checkpoint  # noqa: E402
 
 
 def main(args):
-    if not args.gguf.is_file():
-        raise UserError(f"no GGUF file at {args.gguf}")
     path = gguf_checkpoint(args.gguf) if args.output_dir is None else convert_gguf(args.gguf, args.output_dir)
     print(f"wrote {path}; run: python generate.py --checkpoint_path {shlex.quote(str(path.parent))}")
 

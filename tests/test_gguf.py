@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import convert
+import generate as gen
 import quantize
-from checkpoint import CHECKPOINT_NAME, load_config, read_safetensors, resolve_checkpoint
+from checkpoint import CHECKPOINT_NAME, load_config, read_safetensors
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def source_weights(path: Path, config) -> dict[str, torch.Tensor]:
 def converted(path: Path, out: Path, capfd) -> tuple[dict, dict, dict, str]:
     """Convert path into out: (our tensors, their metadata, the source's weights, what was said on stderr)."""
     capfd.readouterr()
-    checkpoint = convert.convert_gguf(path, out)
+    checkpoint = gen.convert_gguf(path, out)
     said = capfd.readouterr().err
     ours, metadata = read_safetensors(checkpoint)
     return ours, metadata, source_weights(path, load_config(checkpoint)), said
@@ -85,14 +86,14 @@ def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tm
 def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_changes(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert, "GGUF_CHECKPOINTS", tmp_path / "gguf")
     conversions = []
-    real = convert.convert_gguf
-    monkeypatch.setattr(convert, "convert_gguf", lambda *a: conversions.append(a) or real(*a))
+    real = gen.convert_gguf
+    monkeypatch.setattr(gen, "convert_gguf", lambda *a: conversions.append(a) or real(*a))
     path = shutil.copy(files["Q4_1"], tmp_path / "model.gguf")
-    first = resolve_checkpoint(path)
+    first = gen.find_checkpoint(path)
     assert first == tmp_path / "gguf" / "model" / CHECKPOINT_NAME and len(conversions) == 1
-    assert resolve_checkpoint(path) == first and len(conversions) == 1
+    assert gen.find_checkpoint(path) == first and len(conversions) == 1
     os.utime(path, ns=(0, 0))
-    assert resolve_checkpoint(path) == first and len(conversions) == 2
+    assert gen.find_checkpoint(path) == first and len(conversions) == 2
 
 
 def test_generate_runs_on_a_gguf_file(files, tmp_path):
