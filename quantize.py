@@ -472,12 +472,14 @@ class Int4GGUF(Int4):
         if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
             raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
         self.tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+        if not any(q4_block_bytes(t) for t in self.tensors.values()):
+            raise UserError(f"{gguf_path} holds no Q4_0 or Q4_1 weights for int4-gguf to copy: quantize with --mode int4")
         self.parts = gguf_names(config)
         return gguf_path
 
     def group(self, name: str, read, shape: tuple) -> Group:
         parts = self.parts[name]
-        if not all(q4_blocks(self.tensors[part]) for part, _ in parts):
+        if not all(q4_block_bytes(self.tensors[part]) for part, _ in parts):
             return super().group(name, read, shape)
 
         def make():  # each part's tensors, concatenated along rows
@@ -773,7 +775,7 @@ def python_docs_text(part: str) -> str:
 # A GGUF file's Q4_0 and Q4_1 weights, imported without loss (Int4GGUF)
 
 
-def q4_blocks(tensor) -> int | None:
+def q4_block_bytes(tensor) -> int | None:
     """The bytes of one block of 32 of a GGUF tensor of Q4_0 (fp16 scale, 16 bytes of levels) or Q4_1
     (and an fp16 min); None for another type."""
     import gguf
@@ -786,7 +788,7 @@ def q4_levels(tensor, heads: int | None) -> list[Tensor]:
     our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not)."""
     from convert import unpermute_rows
 
-    size = q4_blocks(tensor)
+    size = q4_block_bytes(tensor)
     blocks = torch.from_numpy(tensor.data.copy()).view(tensor.data.shape[0], -1, size)  # (rows, k/32, size)
     qs = blocks[..., size - 16:]
     levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first

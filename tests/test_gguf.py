@@ -16,6 +16,7 @@ import convert
 import generate as gen
 import quantize
 from checkpoint import CHECKPOINT_NAME, load_config, read_safetensors
+from errors import UserError
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
@@ -131,3 +132,11 @@ def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architec
     assert run.returncode != 0 and named in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_int4_gguf_refuses_a_file_without_q4_weights(files, tmp_path):
+    """quantize.py --mode int4-gguf copies Q4_0 and Q4_1 weights: on a file of none it says what to use instead."""
+    imported = convert.import_gguf(files["Q8_0"], tmp_path / "imported")
+    with pytest.raises(UserError, match="holds no Q4_0 or Q4_1 weights for int4-gguf to copy: quantize with --mode int4"):
+        quantize.quantize(imported, "int4-gguf", output=tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
