@@ -244,7 +244,7 @@ if __name__ == "__main__":
     if args.gguf and not (args.model or args.checkpoint_path):  # ours on the file llama.cpp runs
         args.checkpoint_path = args.gguf
     check_model_arguments(args)
-    if args.llama_cpp and (args.model or args.checkpoint_path != args.gguf) and not args.gguf:
+    if args.llama_cpp and (args.model or args.checkpoint_path) and not args.gguf:
         refuse("--llama-cpp measures the bundled model's GGUF unless --gguf names this model's")
     if min(args.depths) < 0 or max(args.depths) == 0:
         refuse("--depths takes context depths, each 0 or more, the deepest above 0")

@@ -140,3 +140,22 @@ def test_int4_gguf_refuses_a_file_without_q4_weights(files, tmp_path):
     with pytest.raises(UserError, match="holds no Q4_0 or Q4_1 weights for int4-gguf to copy: quantize with --mode int4"):
         quantize.quantize(imported, "int4-gguf", output=tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_benchmark_depths_runs_ours_and_llama_cpp_on_one_gguf_file(files, tmp_path):
+    """benchmark_depths.py --gguf FILE --llama-cpp: ours (the file converted) and llama.cpp on it, a row each."""
+    pytest.importorskip("llama_cpp")
+    import json
+
+    path = shutil.copy(files["Q4_1"], tmp_path / f"test-depths-{os.getpid()}.gguf")
+    try:
+        run = subprocess.run([sys.executable, "scripts/benchmark_depths.py", "--gguf", str(path), "--depths", "0", "16",
+                              "--no-prefill", "--no-own-cache", "--max_new_tokens", "2", "--runs", "1", "--llama-cpp",
+                              "--json", str(tmp_path / "out.json")],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+        assert [r["weights"] for r in rows] == ["gguf-q4_1, bf16", "llama.cpp (llama-cpp-python)"]
+        assert "ours / llama.cpp" in run.stdout
+    finally:
+        shutil.rmtree(convert.GGUF_CHECKPOINTS / path.stem, ignore_errors=True)
