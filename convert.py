@@ -378,6 +378,8 @@ def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
     for name, t in tensors.items():
         if name.startswith("blk.") and len(t.shape) == 2:
             weights[t.tensor_type.name] = weights.get(t.tensor_type.name, 0) + int(t.n_elements)
+    if not weights:
+        raise UserError(f"{gguf_path} holds no layers' weights (no blk.N tensors): not a model this import takes")
     main = max(weights, key=weights.get)
     if main in GGUF_LOSSLESS_INT4:
         mode, kept = "int4-gguf", GGUF_LOSSLESS_INT4
