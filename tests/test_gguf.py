@@ -124,7 +124,8 @@ def minimal_gguf(path: Path, architecture: str = "llama", pre: str = "smollm") -
 
 
 @pytest.mark.parametrize("architecture, pre, named", [("qwen2", "smollm", "holds a qwen2 model"),
-                                                      ("llama", "llama-bpe", "pre-tokenizer 'llama-bpe'")])
+                                                      ("llama", "llama-bpe", "pre-tokenizer 'llama-bpe'"),
+                                                      ("llama", "smollm", "holds no layers' weights")])
 def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architecture, pre, named):
     path = minimal_gguf(tmp_path / "model.gguf", architecture, pre)
     run = subprocess.run([sys.executable, "scripts/convert_gguf.py", "--gguf", str(path), "--output_dir",
