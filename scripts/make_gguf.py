@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from errors import UserError, run_cli  # noqa: E402
 from shapes import shape  # noqa: E402
