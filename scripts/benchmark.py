@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))  # peers.py beside this
 import cpu_decode  # noqa: E402
 import decode  # noqa: E402
 import generate as gen  # noqa: E402
+import apart  # noqa: E402
 import peers  # noqa: E402
 import quantize  # noqa: E402
 import speculative  # noqa: E402
@@ -225,15 +227,19 @@ def in_memory(quantized: str) -> bool:
     return quantized in quantize.SCHEMES and quantize.SCHEMES[quantized].made_in_memory
 
 
-def quantized_models(args, model: Transformer, rank: int = 0, world: int = 1, config: ModelArgs | None = None):
-    """(name, model) for each of --quantized: a checkpoint, or int8 / int4 quantized in memory."""
+def quantized_models(args, model: Transformer | None, rank: int = 0, world: int = 1,
+                     config: ModelArgs | None = None) -> dict[str, Callable[[], Transformer]]:
+    """name -> make() for each of --quantized: a checkpoint, or int8 / int4 quantized from model in memory."""
+    makers = {}
     for q in args.quantized:
         if in_memory(q):
             groupsize = scheme_of(args, q).groupsize
-            yield (f"{q}{f' g{groupsize}' if groupsize else ''} (in memory)",
-                   quantized_copy(model, config or full_config(args), q, args.groupsize, rank, world))
+            makers[f"{q}{f' g{groupsize}' if groupsize else ''} (in memory)"] = lambda q=q: quantized_copy(
+                model, config or full_config(args), q, args.groupsize, rank, world)
         else:
-            yield Path(q).stem.removeprefix("fastllama_"), gen.load_model(q, args.device, args.precision, rank, world)
+            makers[Path(q).stem.removeprefix("fastllama_")] = lambda q=q: gen.load_model(
+                q, args.device, args.precision, rank, world)
+    return makers
 
 
 def ladder_prompt(args) -> tuple[Tensor, str]:
@@ -254,13 +260,19 @@ class Ladder:
     def __init__(self, args, prompt: Tensor):
         self.args, self.prompt, self.rows, self.runs = args, prompt, {}, {}
 
-    def add(self, name: str, run, weight_bytes: int | None, note: str = ""):
-        """A rung, run(n) decoding n tokens: its first run now (where it compiles), its timed runs in measure()."""
+    def wants(self, name: str) -> bool:
+        """Whether the rung `name` is to be made (a OneRung makes one)."""
+        return True
+
+    def add(self, name: str, run, holder: torch.nn.Module, weight_bytes: int | None, note: str = ""):
+        """A rung, run(n) decoding n tokens with the model `holder`: its first run now (where it compiles),
+        its timed runs in measure()."""
         args = self.args
         first_run_s = timed(lambda: run(args.max_new_tokens), args.device)
         run(1)
         self.runs[name] = run
-        self.rows[name] = dict(first_run_s=first_run_s, weight_bytes=weight_bytes, note=note)
+        self.rows[name] = dict(first_run_s=first_run_s, weight_bytes=weight_bytes, note=note,
+                               memory_gb=resident_bytes(holder) / 1e9)
         print(f"{name}: first run {first_run_s:.1f} s", flush=True)
 
     def measure(self):
@@ -278,23 +290,95 @@ class Ladder:
         """generate() greedy on the ladder's prompt with steps; kw: speculative arguments."""
         run = lambda n: gen.generate(model, self.prompt, n, temperature=0, steps=steps, **kw)  # noqa: E731
         # a speculative step reads the weights for several tokens: bytes per token are not the model's
-        self.add(name, run, None if kw else gen.weight_bytes_per_token(model), note)
-        self.rows[name]["memory_gb"] = resident_bytes(model) / 1e9
+        self.add(name, run, model, None if kw else gen.weight_bytes_per_token(model), note)
 
     def compiled(self, model: Transformer, suffix: str = "", rank: int = 0, world: int = 1, config=None):
         """Our compiled rungs: the model, then each quantized one unless --skip quantized (config: the model's
         whole shape)."""
         args, steps = self.args, gen.compiled_steps()
-        self.ours(f"ours {args.precision} compiled{suffix}", model, steps=steps)
+        if self.wants(rung := f"ours {args.precision} compiled{suffix}"):
+            self.ours(rung, model, steps=steps)
         if "quantized" not in args.skip:
-            for name, quantized in quantized_models(args, model, rank, world, config):
-                self.ours(f"ours {name} compiled{suffix}", quantized, steps=steps)
+            for name, make in quantized_models(args, model, rank, world, config).items():
+                if self.wants(rung := f"ours {name} compiled{suffix}"):
+                    self.ours(rung, make(), steps=steps)
+
+
+class OneRung(Ladder):
+    """The ladder of the one rung that --rung names, in a child process of --apart (scripts/apart.py): made
+    when the parent says so, compiled at once, then timed a run at a time when the parent asks."""
+
+    def __init__(self, args, prompt: Tensor, base: Transformer, channel: apart.Channel):
+        super().__init__(args, prompt)
+        self.base, self.channel = base, channel
+
+    def wants(self, name: str) -> bool:
+        return name == self.args.rung
+
+    def add(self, name: str, run, holder: torch.nn.Module, weight_bytes: int | None, note: str = ""):
+        args = self.args
+        apart.release(self.base, keep=holder)  # the rung's own weights stay, the unquantized ones it made them from go
+        self.channel.say("built")
+        super().add(name, run, holder, weight_bytes, note)  # its first run, which compiles
+        self.channel.say("ready", **self.rows[name])
+        while self.channel.heard("run"):
+            full = timed(lambda: run(args.max_new_tokens), args.device)
+            self.channel.say("times", full=full, first=timed(lambda: run(1), args.device))
+
+
+def one_rung(args):
+    """--rung NAME: a child of --apart, which makes the rung when told to (the parent's turns keep one
+    unquantized model at a time beyond what the rungs keep) and answers the parent's rounds."""
+    channel = apart.Channel()
+    if not channel.heard("build"):
+        return
+    torch.manual_seed(0)  # the prompt and the weights of the parent's and every child's
+    prompt, _ = ladder_prompt(args)
+    model = load(args)
+    gf = peers.load_gpt_fast(args.gpt_fast) if args.gpt_fast else None
+    ladder = OneRung(args, prompt, model, channel)
+    ladder.compiled(model)
+    if gf:
+        gpt_fast_rows(ladder, model, gf)
+    if not ladder.rows:
+        raise UserError(f"--rung {args.rung}: no such compiled rung in this ladder")
+
+
+def compiled_rungs(args) -> list[str]:
+    """The names of the ladder's compiled rungs (not the dense twin's), in the table's order."""
+    names = [f"ours {args.precision} compiled"]
+    if "quantized" not in args.skip:
+        names += [f"ours {name} compiled" for name in quantized_models(args, None)]
+    return names + (list(gpt_fast_models(args, None, None, 0)) if args.gpt_fast else [])
+
+
+def rungs_apart(args) -> dict[str, list[str]]:
+    """--apart's children, a command a compiled rung, in the order they make their models: the quantized
+    ones first, while the others hold little, the unquantized last."""
+    me = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    names = sorted(compiled_rungs(args), key=lambda name: f" {args.precision} " in name)
+    return {name: [*me, "--rung", name] for name in names}
+
+
+def rows_apart(args, said: dict) -> dict:
+    """The table's rows of --apart's children that did not fail."""
+    rows = {}
+    for name in compiled_rungs(args):
+        figures = dict(said[name])
+        if "error" not in figures:
+            full, first = figures.pop("full_s"), figures.pop("first_s")
+            rows[name] = dict(figures, **decode_speed(full, first, args.max_new_tokens))
+    return rows
 
 
 @torch.no_grad()
 def main(args):
     if "LOCAL_RANK" in os.environ:  # a rank of tp_rows' torchrun
         return tp_worker(args)
+    if args.rung:
+        return one_rung(args)
+    if args.apart:  # before this process puts anything on the device
+        said = apart.measure(rungs_apart(args), args.runs)
     torch.manual_seed(0)  # then the prompt and the weights, in the order tp_worker takes them
     prompt, prompt_name = ladder_prompt(args)
     model = load(args)
@@ -316,10 +400,42 @@ def main(args):
     if args.device == "cpu":  # what compiled decoding uses on CPU instead (cpu_decode.py)
         ms = matmul_floor_ms(model, args.device, torch.compile(cpu_decode.one_row_product))
         rows["floor (compiled mul-sum)"] = dict(ms_per_token=ms, weight_bytes=weight_bytes)
+    failed = {name: figures["error"] for name, figures in said.items() if "error" in figures} if args.apart else {}
+    if args.apart:
+        rows.update(rows_apart(args, said))
+        peer = peers.describe(gf) if gf else None
+    else:
+        peer = measure_in_process(ladder, model, gf)
+    for world in args.tp:
+        rows.update(tp_rows(args, world))
+
+    peak = gen.peak_memory_gb(args.device)
+    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
+          f"{args.device}, prompt: {prompt_name} ({len(prompt)} tokens), {args.max_new_tokens} new (stop tokens "
+          f"ignored), greedy, "
+          f"median of {args.runs}; measured copy bandwidth {bandwidth:.1f} GB/s (MBU = weight GB/s / that); "
+          f"peak memory {peak:.2f} GB" + (" (this process; --apart: each compiled rung in a process of its own, "
+                                          "their first runs compiling side by side)" if args.apart else ""))
+    print_table(rows, bandwidth, floor)
+    for name, error in failed.items():
+        print(f"{name}: failed, {error}")
+    if peer:
+        print(f"gpt-fast: {peer['path']}; its rows compiled with what its generate.py sets at import "
+              f"{peer['compile_settings']}; its code changed for PyTorch {torch.__version__}:"
+              + "".join(f"\n  - {change}" for change in peer["changes"]))
+    if args.json:
+        write_record(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
+                   peak_memory_gb=peak, rows=rows, gpt_fast=peer, failed=failed)
+
+
+def measure_in_process(ladder: Ladder, model: Transformer, gf: peers.GptFast | None) -> dict | None:
+    """Every rung the arguments ask for, made and measured in this process; returns what peers.describe says
+    of gpt-fast, where it is there."""
+    args, rows = ladder.args, ladder.rows
     if not args.no_hf:
         hf_rows(ladder, model)
     if args.llama_bench:
-        rows["llama.cpp (llama-bench) on the GGUF"] = llama_bench(args, len(prompt))
+        rows["llama.cpp (llama-bench) on the GGUF"] = llama_bench(args, len(ladder.prompt))
     if "eager" not in args.skip:
         ladder.ours(f"ours {args.precision} eager", model)
     ladder.compiled(model)
@@ -331,23 +447,7 @@ def main(args):
     if not args.model and not args.no_speculative:  # acceptance needs real weights
         speculative_rows(ladder, model)
     ladder.measure()
-    for world in args.tp:
-        rows.update(tp_rows(args, world))
-
-    peak = gen.peak_memory_gb(args.device)
-    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
-          f"{args.device}, prompt: {prompt_name} ({len(prompt)} tokens), {args.max_new_tokens} new (stop tokens "
-          f"ignored), greedy, "
-          f"median of {args.runs}; measured copy bandwidth {bandwidth:.1f} GB/s (MBU = weight GB/s / that); "
-          f"peak memory {peak:.2f} GB")
-    print_table(rows, bandwidth, floor)
-    if peer:
-        print(f"gpt-fast: {peer['path']}; its rows compiled with what its generate.py sets at import "
-              f"{peer['compile_settings']}; its code changed for PyTorch {torch.__version__}:"
-              + "".join(f"\n  - {change}" for change in peer["changes"]))
-    if args.json:
-        write_record(args, prompt=prompt_name, prompt_tokens=len(prompt), copy_bandwidth_gbs=bandwidth,
-                   peak_memory_gb=peak, rows=rows, gpt_fast=peer)
+    return peer
 
 
 def hf_rows(ladder: Ladder, model: Transformer):
@@ -358,7 +458,7 @@ def hf_rows(ladder: Ladder, model: Transformer):
     hf = hf_model_from(model)
     kw = dict(do_sample=False, pad_token_id=0)
     ladder.add(f"HF {args.precision} eager", lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
-               gen.weight_bytes_per_token(model))
+               hf, gen.weight_bytes_per_token(model))
     if args.hf_compile:  # HF's own fast path: a static cache, and generate compiles its decoding forward itself
         # (compiling hf.forward by hand put prefill under CUDA graphs too, whose outputs the first decoding
         # replay overwrote: results/h100-cuda-tests-speculative.txt)
@@ -367,24 +467,28 @@ def hf_rows(ladder: Ladder, model: Transformer):
         kw.update(cache_implementation="static", compile_config=compile_config)
         ladder.add(f"HF {args.precision} static cache + compile",
                    lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw),
-                   gen.weight_bytes_per_token(model))
+                   hf, gen.weight_bytes_per_token(model))
 
 
 def gpt_fast_rows(ladder: Ladder, model: Transformer, gf: peers.GptFast) -> dict:
     """gpt-fast's own code on the same weights (scripts/peers.py), compiled as its main() compiles: the model,
     then each of --quantized int8 / int4 quantized by its own handlers. Returns what peers.describe says of it."""
-    args = ladder.args
-    length = len(ladder.prompt) + args.max_new_tokens
-    makers = {args.precision: lambda: peers.gpt_fast_model(gf, model, length)}
+    for rung, make in gpt_fast_models(ladder.args, model, gf, len(ladder.prompt)).items():
+        if ladder.wants(rung):
+            theirs = make()
+            ladder.add(rung, peers.runner(gf, theirs, ladder.prompt), theirs, peers.weight_bytes_per_token(theirs))
+    return peers.describe(gf)
+
+
+def gpt_fast_models(args, model: Transformer | None, gf: peers.GptFast | None, prompt_length: int) -> dict:
+    """Rung name -> make() of gpt-fast's model: of --precision, then of each of --quantized int8 / int4."""
+    length = prompt_length + args.max_new_tokens
+    makers = {f"gpt-fast {args.precision} compiled": lambda: peers.gpt_fast_model(gf, model, length)}
     for q in [q for q in args.quantized if q in ("int8", "int4")]:  # not checkpoints: it quantizes its own
         name = f"int4 g{args.groupsize}" if q == "int4" else q
-        makers[name] = lambda q=q: peers.gpt_fast_quantized(gf, model, q, args.groupsize, length)
-    for name, make in makers.items():
-        theirs = make()
-        ladder.add(f"gpt-fast {name} compiled", peers.runner(gf, theirs, ladder.prompt),
-                   peers.weight_bytes_per_token(theirs))
-        ladder.rows[f"gpt-fast {name} compiled"]["memory_gb"] = resident_bytes(theirs) / 1e9
-    return peers.describe(gf)
+        makers[f"gpt-fast {name} compiled"] = lambda q=q: peers.gpt_fast_quantized(gf, model, q, args.groupsize,
+                                                                                    length)
+    return makers
 
 
 def speculative_rows(ladder: Ladder, model: Transformer):
@@ -771,6 +875,11 @@ if __name__ == "__main__":
     p.add_argument("--gpt-fast", default=None, metavar="PATH",
                    help="a gpt-fast checkout: its compiled decoding on the same weights, and its own int8 / int4 of "
                         "--quantized int8 int4 (int4 on CUDA), beside ours (scripts/peers.py)")
+    p.add_argument("--apart", action="store_true",
+                   help="each compiled rung (ours and --gpt-fast's) in a process of its own: they compile side by "
+                        "side, then take turns to be timed (scripts/apart.py); only those rungs, no eager, HF or "
+                        "speculative ones")
+    p.add_argument("--rung", default=None, help=argparse.SUPPRESS)  # a child of --apart
     p.add_argument("--tp", nargs="*", type=int, default=None, metavar="N",
                    help="also run the compiled rungs sharded N ways under torchrun (default: every GPU, when "
                         "there are several and the model splits so many ways; on CPU, gloo: for correctness, "
@@ -834,6 +943,10 @@ if __name__ == "__main__":
         if quantized:
             refuse(f"{args.checkpoint_path} is quantized: the ladder starts from the unquantized checkpoint; give that "
                    f"as --checkpoint_path and this one as --quantized {args.checkpoint_path}")
+    if args.apart and (args.speculative or args.harness or args.tp or args.dense_twin or args.hf_compile
+                       or args.llama_bench):
+        refuse("--apart measures the compiled rungs alone: drop --speculative, --harness, --tp, --dense-twin, "
+               "--hf-compile and --llama-bench")
     if args.gpt_fast and (args.speculative or args.harness):
         refuse("--gpt-fast adds rungs to the ladder, not to --speculative or --harness")
     if args.gpt_fast:  # the checkout, and whether it can run this model, before minutes of measuring

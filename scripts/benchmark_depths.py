@@ -50,7 +50,7 @@ def depths_main(args):
     steps = gen.compiled_steps(dynamic_prefill=True)
     scheme = None if args.model else quantize.read_scheme(read_metadata(gen.find_checkpoint(args.checkpoint_path)))
     name = args.precision if scheme is None else f"{scheme.method}, {args.precision}"  # a quantized checkpoint's
-    models = [(name, model)] if not args.quantized else list(quantized_models(args, model))
+    models = [(name, model)] if not args.quantized else [(q, make()) for q, make in quantized_models(args, model).items()]
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
     bandwidth = copy_bandwidth_gbs(args.device)

