@@ -68,9 +68,10 @@ def timed(fn, device) -> float:
 def decode_speed(full: list[float], first: list[float], n_new: int) -> dict:
     """From the seconds of runs of n_new tokens and of 1 (prefill and sampling): median ms per decoded token,
     (full - first) / (n_new - 1), so prefill does not count; tok/s of the whole run as a user sees it; and ms
-    to the first token."""
+    to the first token; and the runs' seconds, as measured."""
+    runs = dict(full_s=list(full), first_s=list(first))
     full, first = statistics.median(full), statistics.median(first)
-    return dict(ms_per_token=(full - first) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full, ttft_ms=first * 1e3)
+    return dict(ms_per_token=(full - first) / (n_new - 1) * 1e3, e2e_tok_s=n_new / full, ttft_ms=first * 1e3, **runs)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 512 << 20) -> float:
@@ -364,10 +365,9 @@ def rows_apart(args, said: dict) -> dict:
     """The table's rows of --apart's children that did not fail."""
     rows = {}
     for name in compiled_rungs(args):
-        figures = dict(said[name])
+        figures = said[name]
         if "error" not in figures:
-            full, first = figures.pop("full_s"), figures.pop("first_s")
-            rows[name] = dict(figures, **decode_speed(full, first, args.max_new_tokens))
+            rows[name] = dict(figures, **decode_speed(figures["full_s"], figures["first_s"], args.max_new_tokens))
     return rows
 
 

