@@ -39,10 +39,8 @@ def configs(block_m: int) -> list[triton.Config]:
     a thread) and summed over K once, at the end; with DOT on, tensor-core products (tf32) of the rows
     padded to 16. Those kept won on some shape (benchmarks/RESULTS.md, "A sixth GPU session": its raw
     record has every tile's time)."""
-    fma = {1: [(16, 512, 4), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8), (4, 4096, 8)],
-           2: [(16, 256, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8)],
-           4: [(8, 256, 4), (16, 128, 4)], 8: [(8, 128, 4)]}[block_m]
-    return ([triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": False}, num_warps=w, num_stages=1) for n, k, w in fma]
+    fma = {1: [(16, 512), (8, 1024)], 2: [(16, 256), (8, 512)], 4: [(8, 256), (16, 128)], 8: [(8, 128)]}[block_m]
+    return ([triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": False}, num_warps=4, num_stages=1) for n, k in fma]
             + [triton.Config({"BLOCK_N": 32, "BLOCK_K": k, "DOT": True}, num_warps=4, num_stages=s)
                for k, s in ((128, 4), (256, 3))])
 
