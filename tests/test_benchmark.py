@@ -2,6 +2,7 @@
 is what quantize.py writes, and the whole ladder runs end to end (compiled functions run eagerly:
 the plumbing is under test here, not the speed) and writes the JSON the plot reads."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -173,6 +174,61 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     assert all(row["speedup"] > 0 and math.isfinite(row["decode_speedup"]) and row["prefill_s"] > 0 for row in lookup)
 
 
+def test_apart_ladder_runs_end_to_end(tmp_path):
+    """--apart: a child process a compiled rung, each measured in every round, the rows in the table's order."""
+    out = tmp_path / "ladder.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+         "--prompt_length", "8", "--max_new_tokens", "3", "--runs", "2", "--no-hf", "--quantized", "int8", "int4",
+         "--apart", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=eager_everywhere(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    rungs = ["ours bf16 compiled", "ours int8 (in memory) compiled", "ours int4 g32 (in memory) compiled"]
+    assert list(record["rows"]) == ["matmul floor (F.linear)", "floor (compiled mul-sum)", *rungs]
+    assert record["failed"] == {}
+    for name in rungs:
+        row = record["rows"][name]
+        assert len(row["full_s"]) == len(row["first_s"]) == 2 and row["e2e_tok_s"] > 0 and name in run.stdout
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {scripts!r})
+import apart
+channel = apart.Channel()
+assert channel.heard("build")
+print("a line on stdout, which the channel sends to stderr")
+open({log!r}, "a").write(sys.argv[1] + "\\n")
+channel.say("built")
+if sys.argv[1] == "fails":
+    sys.exit(3)
+channel.say("ready", first_run_s=1.0)
+while channel.heard("run"):
+    channel.say("times", full=2.0, first=0.5)
+"""
+
+
+def test_apart_reports_a_child_that_fails_and_measures_the_others(tmp_path):
+    log = tmp_path / "built.txt"
+    child = CHILD.format(scripts=str(REPO / "scripts"), log=str(log))
+    said = benchmark.apart.measure({name: [sys.executable, "-c", child, name] for name in ("fails", "a", "b")}, runs=3)
+    assert log.read_text().split() == ["fails", "a", "b"]  # built one at a time, in the order given
+    assert said["fails"] == {"error": "exited with 3 before it said ready (its output is above)"}
+    for name in ("a", "b"):
+        assert said[name] == {"first_run_s": 1.0, "full_s": [2.0] * 3, "first_s": [0.5] * 3}
+
+
+def test_release_frees_what_the_rung_does_not_hold():
+    model = benchmark.random_model(benchmark.shape("SmolLM2-135M"), argparse.Namespace(precision="bf16", device="cpu"))
+    int8 = benchmark.quantized_copy(model, model.config, "int8", 32)
+    benchmark.apart.release(model, keep=int8)
+    assert model.layers[0].attention.wqkv.weight.numel() == 0
+    embeddings = model.tok_embeddings.weight  # shared: the same memory
+    assert embeddings.numel() > 0 and embeddings.data_ptr() == int8.tok_embeddings.weight.data_ptr()
+    assert all(t.numel() > 0 for t in int8.parameters())
+
+
 @pytest.mark.parametrize("script,argv,message", [
     ("benchmark.py", [], "pip install -e '.[bench]', or pass --no-hf"),  # transformers missing
     ("benchmark.py", ["--no-hf", "--device", "cuda"], "no CUDA device"),
@@ -191,6 +247,7 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     # our own checkout: a model.py and a generate.py, but not gpt-fast's
     ("benchmark.py", ["--no-hf", "--gpt-fast", "."], "is not a gpt-fast checkout"),
     ("benchmark.py", ["--harness", "--tp", "2"], "--tp shards the ladder's rungs"),
+    ("benchmark.py", ["--no-hf", "--apart", "--tp", "2"], "--apart measures the compiled rungs alone"),
 ])
 def test_bad_setups_are_one_line_before_measuring(tmp_path, script, argv, message):
     if "cuda" in argv and torch.cuda.is_available():

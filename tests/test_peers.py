@@ -3,6 +3,7 @@ close to ours, and what it cannot run is one line. Needs a gpt-fast checkout (GP
 beside the repository in shared/peers/), skipped without one: CI's clean clone has none."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +92,19 @@ def test_what_gpt_fast_cannot_run_is_one_line(gf):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.splitlines()[-1].startswith("error: gpt-fast's int4 runs tinygemm")
+
+
+def test_gpt_fast_rungs_run_apart(gf, tmp_path):
+    """--apart with --gpt-fast: its rungs made in children of their own as ours are (compiled functions run
+    eagerly: the plumbing is under test)."""
+    (tmp_path / "sitecustomize.py").write_text('import torch\ntorch.compiler.set_stance("force_eager")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "ladder.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--model", "TinyLlama-1.1B", "--random-weights",
+                          "--device", "cpu", "--no-hf", "--apart", "--gpt-fast", str(GPT_FAST), "--quantized", "int8",
+                          "--prompt_length", "4", "--max_new_tokens", "2", "--runs", "1", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [name for name in rows if name.endswith(" compiled")] == [
+        "ours bf16 compiled", "ours int8 (in memory) compiled", "gpt-fast bf16 compiled", "gpt-fast int8 compiled"]
