@@ -11,6 +11,7 @@ layer type we do not know), and any source tensor that the conversion would leav
 
 import importlib.util
 import math
+import struct
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -420,10 +421,10 @@ def read_gguf(gguf_path: Path) -> tuple[dict, dict]:
         raise UserError(f"{gguf_path} scales RoPE ({meta['llama.rope.scaling.type']}), which this import does not "
                         f"take: convert the model's Hugging Face checkpoint instead")
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if model != "gpt2" or pre not in GGUF_SPLITS:
+    if not (model == "llama" or model == "gpt2" and pre in GGUF_SPLITS):
         raise UserError(f"{gguf_path} has a tokenizer this import does not write ({model!r}, pre-tokenizer {pre!r}); "
-                        f"it takes GPT-2 BPE with the pre-tokenizers {', '.join(GGUF_SPLITS)}: convert the model's "
-                        f"Hugging Face checkpoint instead")
+                        f"it takes SentencePiece (\"llama\") and GPT-2 BPE with the pre-tokenizers "
+                        f"{', '.join(GGUF_SPLITS)}: convert the model's Hugging Face checkpoint instead")
     for t in {t.tensor_type: t for t in tensors.values()}.values():
         try:  # one row of each type
             gguf.quants.dequantize(t.data[:1], t.tensor_type)
@@ -506,7 +507,27 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf_tokenizer(meta: dict, out_dir: Path):
-    """A HF tokenizer.json and tokenizer_config.json from a GGUF file's GPT-2-style BPE vocabulary."""
+    """The tokenizer of a GGUF file, as the files load_tokenizer reads: a SentencePiece tokenizer.model
+    ("llama" vocabularies) or a HF tokenizer.json (GPT-2-style BPE), and a tokenizer_config.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if meta["tokenizer.ggml.model"] == "llama":
+        write_atomically(out_dir / "tokenizer.model", lambda f: f.write(sentencepiece_model(meta)), binary=True)
+    else:
+        tok = gpt2_tokenizer(meta)
+        write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tok.to_str()))
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta["tokenizer.ggml.eos_token_id"]
+    tokenizer_config = {
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos],
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", bos is not None)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def gpt2_tokenizer(meta: dict):
+    """A HF tokenizers Tokenizer of a GGUF file's GPT-2-style BPE vocabulary and merges."""
     import gguf
 
     try:
@@ -521,15 +542,42 @@ def write_gguf_tokenizer(meta: dict, out_dir: Path):
     tok.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == gguf.TokenType.CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tok
 
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta["tokenizer.ggml.eos_token_id"]
-    tokenizer_config = {
-        "bos_token": tokens[bos] if bos is not None else None,
-        "eos_token": tokens[eos],
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", bos is not None)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(out_dir / "tokenizer.json", lambda f: f.write(tok.to_str()))
-    write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+def sentencepiece_model(meta: dict) -> bytes:
+    """The SentencePiece model (a tokenizer.model's bytes) of a GGUF file's "llama" vocabulary: its pieces
+    with their scores and types (GGUF numbers the types as SentencePiece does: 1 normal, 2 unknown, 3
+    control, 4 user-defined, 5 unused, 6 byte), BPE, byte fallback where there are byte pieces, and
+    llama.cpp's normalization of such a vocabulary (a space before the text, whitespace kept as it is). It
+    is written in protobuf's wire format here, as sentencepiece's Python classes for its ModelProto need the
+    protobuf package; field numbers as in sentencepiece_model.proto."""
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    pieces = b"".join(_proto(1, _proto(1, t.encode()) + _proto(2, float(score)) + _proto(3, kind))
+                      for t, score, kind in zip(tokens, meta["tokenizer.ggml.scores"], types))
+    ids = {field: meta.get(f"tokenizer.ggml.{key}_token_id", default)
+           for field, key, default in ((40, "unknown", 0), (41, "bos", -1), (42, "eos", -1), (43, "padding", -1))}
+    trainer = (_proto(3, 2) + _proto(4, len(tokens)) + _proto(35, 6 in types)  # model_type BPE, byte_fallback
+               + b"".join(_proto(field, i) for field, i in ids.items()))
+    normalizer = (_proto(1, b"identity") + _proto(3, meta.get("tokenizer.ggml.add_space_prefix", True))
+                  + _proto(4, False) + _proto(5, True))  # add_dummy_prefix, remove_extra_whitespaces, escape
+    return pieces + _proto(2, trainer) + _proto(3, normalizer)
+
+
+def _proto(number: int, value) -> bytes:
+    """One protobuf field: bytes length-delimited, a float as 32 bits, an int, bool or enum as a varint."""
+    if isinstance(value, bytes):
+        return _varint(number << 3 | 2) + _varint(len(value)) + value
+    if isinstance(value, float):
+        return _varint(number << 3 | 5) + struct.pack("<f", value)
+    return _varint(number << 3) + _varint(int(value))
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int32 as protobuf writes it: 64 bits of two's complement
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
 

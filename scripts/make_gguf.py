@@ -3,13 +3,16 @@ benchmarks and tests run on where the real file is too large to have (llama.cpp 
 
     python scripts/make_gguf.py --model SmolLM2-1.7B --type Q4_1 --output /tmp/smollm2-1.7b-random.Q4_1.gguf
 
-The shape's vocabulary must be the bundled tokenizer's (the SmolLM2 shapes'). The layers' matrices
+The shape's vocabulary must be the bundled tokenizer's (the SmolLM2 shapes'); with --sentencepiece
+MODEL, the vocabulary is that SentencePiece tokenizer.model's instead, as llama.cpp writes a Llama 2 or
+Mistral vocabulary (tokenizer.ggml.model "llama"). The layers' matrices
 are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
 (it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
 with a standard deviation of dim^-0.5, so that the activations stay of the size real models have.
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,16 +27,19 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = "Q8_0",
-              n_layer: int | None = None, seed: int = 0) -> Path:
+              n_layer: int | None = None, seed: int = 0, sentencepiece: Path | None = None) -> Path:
     import gguf
 
     from convert import bundled_gguf
 
     args = shape(model)
     n_layer = n_layer or args.n_layer
-    # the bundled model's tokenizer fields, with their types (llama.cpp checks them)
-    tokenizer = {name: (field.contents(), field.types) for name, field in gguf.GGUFReader(str(bundled_gguf())).fields.items()
-                 if name.startswith("tokenizer.")}
+    if sentencepiece:
+        tokenizer = sentencepiece_fields(sentencepiece)
+        args = dataclasses.replace(args, vocab_size=len(tokenizer["tokenizer.ggml.tokens"][0]))
+    else:  # the bundled model's tokenizer fields, with their types (llama.cpp checks them)
+        tokenizer = {name: (field.contents(), field.types)
+                     for name, field in gguf.GGUFReader(str(bundled_gguf())).fields.items() if name.startswith("tokenizer.")}
     vocabulary = len(tokenizer["tokenizer.ggml.tokens"][0])
     if vocabulary != args.vocab_size:
         raise UserError(f"{model} has a vocabulary of {args.vocab_size}, the bundled tokenizer one of {vocabulary}: "
@@ -85,8 +91,66 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
     return output
 
 
+def sentencepiece_fields(path: Path) -> dict:
+    """A SentencePiece tokenizer.model's vocabulary as GGUF tokenizer fields (name -> (value, types)), as
+    llama.cpp's converter writes them: each piece with its score and type (SentencePiece's numbering)."""
+    import gguf
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.Load(str(path))
+    except (RuntimeError, OSError):
+        raise UserError(f"{path} is not a SentencePiece model")
+    # the types from the model's protobuf itself: sentencepiece's Python API cannot tell a user-defined piece
+    types = [fields.get(3, int(gguf.TokenType.NORMAL)) for number, fields in protobuf_messages(path.read_bytes())
+             if number == 1]
+    V = gguf.GGUFValueType
+    fields = {"tokenizer.ggml.model": ("llama", [V.STRING]),
+              "tokenizer.ggml.tokens": ([sp.id_to_piece(i) for i in range(len(sp))], [V.ARRAY, V.STRING]),
+              "tokenizer.ggml.scores": ([sp.get_score(i) for i in range(len(sp))], [V.ARRAY, V.FLOAT32]),
+              "tokenizer.ggml.token_type": (types, [V.ARRAY, V.INT32]),
+              "tokenizer.ggml.add_bos_token": (True, [V.BOOL])}
+    for key, i in (("unknown", sp.unk_id()), ("bos", sp.bos_id()), ("eos", sp.eos_id())):
+        if i >= 0:
+            fields[f"tokenizer.ggml.{key}_token_id"] = (i, [V.UINT32])
+    return fields
+
+
+def protobuf_messages(data: bytes):
+    """(field number, {number: varint value}) for each length-delimited field of a protobuf message: the
+    pieces of a SentencePiece model, each with the varint fields of its own message (3: the type)."""
+    def varint(i: int) -> tuple[int, int]:
+        n = shift = 0
+        while True:
+            n |= (data[i] & 0x7F) << shift
+            shift += 7
+            i += 1
+            if data[i - 1] < 0x80:
+                return n, i
+
+    def fields(start: int, end: int):
+        i = start
+        while i < end:
+            key, i = varint(i)
+            wire = key & 7
+            if wire == 0:
+                value, i = varint(i)
+                yield key >> 3, value, None
+            elif wire == 2:
+                length, i = varint(i)
+                yield key >> 3, None, (i, i + length)
+                i += length
+            else:  # 1: 64 bits, 5: 32 bits
+                i += 8 if wire == 1 else 4
+
+    for number, _, span in fields(0, len(data)):
+        if span:
+            yield number, {n: v for n, v, _ in fields(*span) if v is not None}
+
+
 def main(args):
-    path = make_gguf(args.output, args.model, args.type, args.embedding_type, args.n_layer, args.seed)
+    path = make_gguf(args.output, args.model, args.type, args.embedding_type, args.n_layer, args.seed, args.sentencepiece)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
@@ -98,5 +162,7 @@ if __name__ == "__main__":
     p.add_argument("--embedding_type", choices=TYPES, default="Q8_0", help="of the embedding table")
     p.add_argument("--n_layer", type=int, default=None, help="fewer layers than the shape has (tests)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sentencepiece", type=Path, default=None,
+                   help="a SentencePiece tokenizer.model whose vocabulary the file takes (as Llama 2's or Mistral's)")
     p.add_argument("--output", type=Path, required=True)
     run_cli(main, p.parse_args())

@@ -110,6 +110,35 @@ def test_generate_runs_on_a_gguf_file(files, tmp_path):
         shutil.rmtree(convert.GGUF_CHECKPOINTS / path.stem, ignore_errors=True)
 
 
+def test_a_sentencepiece_vocabulary_tokenizes_as_its_own_model_does(bundled_checkpoint, tmp_path):
+    """A "llama" vocabulary (Llama 2, Mistral, TinyLlama): a SentencePiece BPE model trained here as theirs were
+    (byte fallback, whitespace kept, a user-defined piece), written into a GGUF file as llama.cpp writes one,
+    converted back into a tokenizer.model that encodes every text as the original does."""
+    import io
+
+    import sentencepiece
+
+    from tokenizer import load_tokenizer
+
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2,
+        user_defined_symbols=["<|user|>"], minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    path = make_gguf(tmp_path / "sp.gguf", "SmolLM2-135M", "Q4_0", n_layer=1,
+                     sentencepiece=tmp_path / "tokenizer.model")
+    checkpoint = gen.convert_gguf(path, tmp_path / "out")
+    original = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    ours = load_tokenizer(checkpoint.parent)
+    for text in ["Hello world", "  two  spaces,\ta tab\nand a line", "digits 12345, ünïcödé 東京 🙂", "<|user|> hi",
+                 " a leading space", "trailing  "]:
+        assert ours.encode(text) == original.encode(text), text
+        assert ours.decode(ours.encode(text)) == original.decode(original.encode(text))
+    assert (ours.bos_id, ours.eos_id, ours.add_bos) == (1, 2, True)
+
+
 def minimal_gguf(path: Path, architecture: str = "llama", pre: str = "smollm") -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_uint32(f"{architecture}.block_count", 1)
