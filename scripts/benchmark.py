@@ -41,20 +41,20 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # peers.py beside this file, when the tests load it
 
-import cpu_decode  # noqa: E402
-import decode  # noqa: E402
-import generate as gen  # noqa: E402
+from fastllama import cpu_decode  # noqa: E402
+from fastllama import decode  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
 import apart  # noqa: E402
 import peers  # noqa: E402
-import quantize  # noqa: E402
-import speculative  # noqa: E402
-import tp  # noqa: E402
+from fastllama import quantize  # noqa: E402
+from fastllama import speculative  # noqa: E402
+from fastllama import tp  # noqa: E402
 from shapes import shape  # noqa: E402
-from checkpoint import load_config, read_metadata, write_json  # noqa: E402
-from convert import bundled_gguf, hf_names  # noqa: E402
-from errors import UserError, refuse, run_cli  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
-from moe import MoEFeedForward  # noqa: E402
+from fastllama.checkpoint import load_config, read_metadata, write_json  # noqa: E402
+from fastllama.convert import bundled_gguf, hf_names  # noqa: E402
+from fastllama.errors import UserError, refuse, run_cli  # noqa: E402
+from fastllama.model import ModelArgs, Transformer  # noqa: E402
+from fastllama.moe import MoEFeedForward  # noqa: E402
 
 
 def timed(fn, device) -> float:
@@ -731,7 +731,7 @@ def harness_main(args):
     the time of the loglikelihood call, and of the whole harness run (datasets, prompts, metrics)."""
     import transformers
 
-    import eval as ev
+    from fastllama import eval as ev
 
     ev.harness()  # lm_eval in a tested version, or one line that says what to install
     from lm_eval.models.huggingface import HFLM

@@ -19,15 +19,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-import decode  # noqa: E402
-import generate as gen  # noqa: E402
-import quantize  # noqa: E402
+from fastllama import decode  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
+from fastllama import quantize  # noqa: E402
 from benchmark import (check_model_arguments, copy_bandwidth_gbs, full_config, llama_bench_json, load,  # noqa: E402
                        model_arguments, quantized_models, timed, write_record)
-from checkpoint import read_metadata  # noqa: E402
-from convert import bundled_gguf  # noqa: E402
-from errors import UserError, refuse, run_cli  # noqa: E402
-from model import Transformer  # noqa: E402
+from fastllama.checkpoint import read_metadata  # noqa: E402
+from fastllama.convert import bundled_gguf  # noqa: E402
+from fastllama.errors import UserError, refuse, run_cli  # noqa: E402
+from fastllama.model import Transformer  # noqa: E402
 
 
 @torch.no_grad()

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from convert import bundled_gguf  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
-from generate import find_checkpoint, get_tokenizer  # noqa: E402
+from fastllama.convert import bundled_gguf  # noqa: E402
+from fastllama.errors import UserError, run_cli  # noqa: E402
+from fastllama.generate import find_checkpoint, get_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me about Paris.", "Explain how a bicycle works.", "Describe the water cycle.",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from errors import run_cli  # noqa: E402
-from generate import convert_gguf, gguf_checkpoint  # noqa: E402
+from fastllama.errors import run_cli  # noqa: E402
+from fastllama.generate import convert_gguf, gguf_checkpoint  # noqa: E402
 
 
 def main(args):

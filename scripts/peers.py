@@ -2,8 +2,8 @@
 own code, run on our weights, so that the table compares implementations and not checkpoints.
 
 gpt-fast (BSD-3) stays a checkout of its own at PATH; nothing of it is copied here. Its files import
-each other as top-level modules (`from model import Transformer`), names that this repository's own
-modules hold, so load_gpt_fast loads them under private names. What the runner has to change in
+each other as top-level modules (`from model import Transformer`), names that this repository's
+command-line scripts hold (generate.py, quantize.py), so load_gpt_fast loads them under private names. What the runner has to change in
 gpt-fast's code for the PyTorch it runs on is listed in CHANGES, which the ladder prints.
 
     gf = load_gpt_fast(PATH)
@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from errors import UserError
-from model import ModelArgs, Transformer
+from fastllama.errors import UserError
+from fastllama.model import ModelArgs, Transformer
 
 # The changes made to gpt-fast's code to run it on this PyTorch (the ladder prints them and records them)
 CHANGES = [

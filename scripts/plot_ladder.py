@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from errors import UserError, refuse, run_cli  # noqa: E402
+from fastllama.errors import UserError, refuse, run_cli  # noqa: E402
 
 COLORS = {"floor": "#bbbbbb", "HF": "#f28e2b", "llama.cpp": "#b07aa1", "ours": "#4e79a7"}
 

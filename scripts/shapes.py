@@ -1,8 +1,8 @@
 """Well-known model shapes, for benchmarks and tests with random weights: `shape("Llama-3.1-8B")` is that
 model's ModelArgs (its config.json read by convert.py gives the same)."""
 
-from errors import UserError
-from model import ModelArgs
+from fastllama.errors import UserError
+from fastllama.model import ModelArgs
 
 
 _llama31_rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

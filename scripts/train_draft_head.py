@@ -35,13 +35,13 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cpu_decode  # noqa: E402
-from checkpoint import resolve_output  # noqa: E402
-import generate as gen  # noqa: E402
-from errors import UserError, refuse, run_cli  # noqa: E402
-from model import Transformer, softcap  # noqa: E402
-from quantize import python_docs_text  # noqa: E402
-from speculative import HEAD_NAME, DraftHead, save_head  # noqa: E402
+from fastllama import cpu_decode  # noqa: E402
+from fastllama.checkpoint import resolve_output  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
+from fastllama.errors import UserError, refuse, run_cli  # noqa: E402
+from fastllama.model import Transformer, softcap  # noqa: E402
+from fastllama.quantize import python_docs_text  # noqa: E402
+from fastllama.speculative import HEAD_NAME, DraftHead, save_head  # noqa: E402
 
 
 def default_text() -> str:

@@ -8,9 +8,9 @@ import torch
 if not torch.cuda.is_available():  # kernels.py's Triton kernels then run on CPU tensors, interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import convert  # noqa: E402
-from convert import BUNDLED_GGUF, DEFAULT_CHECKPOINT, bundled_gguf  # noqa: E402
-from generate import load_model  # noqa: E402
+from fastllama import convert  # noqa: E402
+from fastllama.convert import BUNDLED_GGUF, DEFAULT_CHECKPOINT, bundled_gguf  # noqa: E402
+from fastllama.generate import load_model  # noqa: E402
 
 
 def bundled_model_missing() -> str | None:
@@ -62,7 +62,7 @@ def quantized_dir(tmp_path_factory, bundled_checkpoint):
     """A directory with the bundled model's config and tokenizer, for quantized checkpoints."""
     import shutil
 
-    from checkpoint import CONFIG_NAME
+    from fastllama.checkpoint import CONFIG_NAME
 
     directory = tmp_path_factory.mktemp("quantized")
     for name in (CONFIG_NAME, "tokenizer.json", "tokenizer_config.json"):
@@ -73,6 +73,6 @@ def quantized_dir(tmp_path_factory, bundled_checkpoint):
 @pytest.fixture(scope="session")
 def int4_checkpoint(bundled_checkpoint, quantized_dir):
     """The bundled model quantized to int4, groupsize 32 (round to nearest)."""
-    import quantize
+    from fastllama import quantize
 
     return quantize.quantize(bundled_checkpoint, "int4", 32, output=quantized_dir / "int4.safetensors")

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import quantize
-from checkpoint import read_safetensors
-from eval import perplexity
-from generate import get_tokenizer, load_model
+from fastllama import quantize
+from fastllama.checkpoint import read_safetensors
+from fastllama.eval import perplexity
+from fastllama.generate import get_tokenizer, load_model
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import quantize
-from generate import load_model
+from fastllama import quantize
+from fastllama.generate import load_model
 
 REPO = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
@@ -41,7 +41,7 @@ def test_hf_model_holds_our_weights(model_fp32):
 def test_hf_model_of_each_family_holds_our_weights(name, architecture):
     """A family's real shape, shrunk (its variant fields kept), and the HF model the benchmark compares
     against: the same logits, so the family's row compares like with like."""
-    from model import Transformer
+    from fastllama.model import Transformer
     from shapes import shape
 
     config = shape(name)

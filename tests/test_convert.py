@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, resolve_checkpoint, single, write_safetensors
-from convert import SUPPORTED, config_from_hf, convert_hf_checkpoint
-from errors import UserError
-from generate import load_model
+from fastllama.checkpoint import CHECKPOINT_NAME, CONFIG_NAME, resolve_checkpoint, single, write_safetensors
+from fastllama.convert import SUPPORTED, config_from_hf, convert_hf_checkpoint
+from fastllama.errors import UserError
+from fastllama.generate import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,7 +136,7 @@ def test_a_gguf_tensor_the_import_would_leave_out_is_refused(tmp_path):
     """Llama 3.1's GGUFs carry their RoPE scaling as rope_freqs.weight: an import without it would
     compute another model."""
     gguf = pytest.importorskip("gguf")
-    from convert import import_gguf
+    from fastllama.convert import import_gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
     for key, value in {"context_length": 64, "block_count": 1, "embedding_length": 8, "feed_forward_length": 16,
@@ -172,7 +172,7 @@ def test_a_hf_file_without_metadata_is_not_taken_for_ours(tmp_path):
 
 
 def test_conversion_never_touches_source_files(tmp_path):
-    import quantize
+    from fastllama import quantize
 
     hf = tiny_llama()
     directory = tmp_path / "hf"

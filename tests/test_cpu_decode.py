@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-import cpu_decode
-from model import ModelArgs, Transformer
+from fastllama import cpu_decode
+from fastllama.model import ModelArgs, Transformer
 
 # Each variant changes what a decode step computes. Add a row with every new one: compiled decoding
 # must follow it without a change of its own. The windows of 6 live in rings of 6 + CHUNK slots,

@@ -20,12 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import decode
-import quantize
-import speculative
-import tp
-from generate import compiled_steps, generate
-from model import ModelArgs, Transformer
+from fastllama import decode, quantize, speculative, tp
+from fastllama.generate import compiled_steps, generate
+from fastllama.model import ModelArgs, Transformer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -247,7 +244,7 @@ def test_grouped_attention_with_a_mask_needs_no_math_backend(T, monkeypatch):
     folded per key/value head, the memory-efficient kernel takes them (with the math backend
     disallowed, SDPA would raise "No available kernel" otherwise), eager and compiled for any length, with
     the math backend's results."""
-    monkeypatch.setattr("model.SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    monkeypatch.setattr("fastllama.model.SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     attention = random_model(n_local_heads=2).layers[0].attention
     q = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-from errors import run_cli
+from fastllama.errors import run_cli
 from scripts import download
 
 CONFIGS = ["config.json", "generation_config.json", "special_tokens_map.json", "tokenizer_config.json"]

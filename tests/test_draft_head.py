@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import quantize
-import speculative
-from checkpoint import CHECKPOINT_NAME, CONFIG_NAME, read_safetensors, single, write_safetensors
-from errors import UserError
-from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer
-from quantize import python_docs_text
-from speculative import HEAD_NAME, DraftHead, HeadDrafter
-from tokenizer import Tokenizer
+from fastllama import quantize, speculative
+from fastllama.checkpoint import CHECKPOINT_NAME, CONFIG_NAME, read_safetensors, single, write_safetensors
+from fastllama.errors import UserError
+from fastllama.generate import generate, get_tokenizer, load_model
+from fastllama.model import ModelArgs, Transformer
+from fastllama.quantize import python_docs_text
+from fastllama.speculative import HEAD_NAME, DraftHead, HeadDrafter
+from fastllama.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -162,7 +161,7 @@ def test_bad_training_arguments_are_one_line(tiny_checkpoint, tmp_path, monkeypa
 
 
 def test_two_drafters_on_the_command_line_are_refused():
-    from generate import parse_args
+    from fastllama.generate import parse_args
 
     assert parse_args(["--draft", "head", "--draft_head", "h.safetensors"]).draft_head == Path("h.safetensors")
     for argv in (["--draft", "prompt-lookup", "--draft_head", "h"], ["--draft_checkpoint_path", "d", "--draft", "head"]):

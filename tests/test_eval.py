@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import eval as ev
-from errors import UserError
-from generate import generate, get_tokenizer
-from model import ModelArgs, Transformer
+from fastllama import eval as ev
+from fastllama.errors import UserError
+from fastllama.generate import generate, get_tokenizer
+from fastllama.model import ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 CLOZE = REPO / "tasks" / "pydoc_cloze.yaml"
@@ -173,7 +173,7 @@ def test_choices_of_a_sliding_window_model_share_a_row_within_the_window():
 def test_perplexity_is_hf_transformers_loss_over_the_same_windows(harness_model, hf_model):
     """exp of HF's mean loss over the same windows of the bundled model's held-out text; an int8 KV
     cache moves it, a little."""
-    from quantize import python_docs_text
+    from fastllama.quantize import python_docs_text
 
     tokens = torch.tensor(harness_model.tokenizer.encode(python_docs_text("held-out"))[:3 * 128 + 50])
     windows = tokens[: 3 * 128].view(3, 128)  # the 50 tokens past the last whole window are not scored

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import speculative
-from convert import convert_hf_checkpoint
-from generate import generate, load_model
+from fastllama import speculative
+from fastllama.convert import convert_hf_checkpoint
+from fastllama.generate import generate, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -176,7 +176,7 @@ def test_greedy_matches_hf_and_a_ragged_batch_matches_each_alone(family):
 def test_quantized_checkpoints_load_and_compute_their_weights(family, mode):
     """The quantized model equals the model whose linears hold what quantization kept of them: every
     tensor (biases and norms too) landed where it belongs."""
-    import quantize
+    from fastllama import quantize
 
     name, hf, path = family
     quantized = load_model(quantize.quantize(path, mode, 32), "cpu", "fp32")
@@ -205,7 +205,7 @@ def test_quantized_checkpoints_load_and_compute_their_weights(family, mode):
 
 
 def test_speculative_greedy_equals_plain(family):
-    import quantize
+    from fastllama import quantize
 
     name, hf, path = family
     model = load_model(path, "cpu", "fp32")
@@ -242,7 +242,7 @@ def test_two_ranks_match_one_process(tmp_path_factory):
 def test_config_json_of_each_family_is_read_not_guessed(tmp_path):
     """A Qwen2 config without use_sliding_window keeps full attention, whatever sliding_window says,
     and layer_types, where given, decide which layers slide."""
-    from convert import config_from_hf
+    from fastllama.convert import config_from_hf
 
     build("qwen2", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

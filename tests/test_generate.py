@@ -8,20 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-import cpu_decode
-import decode
-import generate as gen
-import model
-from checkpoint import CONFIG_NAME
-from decode import logits_to_probs, sample
-from errors import UserError, run_cli
-from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer
+from fastllama import cpu_decode, decode, generate as gen, model
+from fastllama.checkpoint import CONFIG_NAME
+from fastllama.decode import logits_to_probs, sample
+from fastllama.errors import UserError, run_cli
+from fastllama.generate import generate, get_tokenizer, load_model
+from fastllama.model import ModelArgs, Transformer
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time, in a small village by the sea,"]
 
 
@@ -72,7 +71,7 @@ def test_compiled_decode_equals_eager(bundled_checkpoint):
 @torch.no_grad()
 def test_compiled_steps_leave_decode_plain_and_give_eager_tokens():
     """generate.compiled_steps() is a value and rebinds nothing: decode's functions stay the plain ones (what
-    `from decode import decode_one_token` reads is what runs), and generate() runs the compiled steps only
+    `from fastllama.decode import decode_one_token` reads is what runs), and generate() runs the compiled steps only
     when given them, with the default's tokens (a tiny random model, fp32)."""
     plain = decode.decode_one_token
     steps = gen.compiled_steps()
@@ -117,9 +116,8 @@ def test_compiled_prefill_compiles_once_for_prompts_of_any_length(attention_soft
     (which one-row products and verify attention treat apart when their count is static) included, and
     prompts of one token and last chunks of one position (a dynamic size of 1 would be specialized: a
     second graph), plain and speculative."""
-    import cpu_decode
-    import speculative
-    from model import ModelArgs, Transformer
+    from fastllama import cpu_decode, speculative
+    from fastllama.model import ModelArgs, Transformer
 
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
                                   attention_softcap=attention_softcap))
@@ -151,7 +149,7 @@ def test_int8_kv_cache_stays_near_the_full_precision_one(model_fp32, bundled_che
         logits[dtype] = torch.cat(steps)
     error = ((logits[torch.int8] - logits[None]).abs().amax(-1) / logits[None].abs().amax(-1)).max().item()
     assert error <= 5e-2, error
-    import speculative  # verify steps write and read the int8 cache as single steps do
+    from fastllama import speculative  # verify steps write and read the int8 cache as single steps do
 
     plain = generate(model_fp32, text, 24, temperature=0, kv_cache_dtype=torch.int8)
     assert generate(model_fp32, text, 24, temperature=0, kv_cache_dtype=torch.int8,
@@ -462,7 +460,7 @@ def test_a_generation_config_that_is_not_json_is_one_line(tmp_path):
 def test_cli_runs_and_reports(tmp_path):
     """The README's command end to end, in a subprocess: text, then tok/s, bandwidth and memory. Started
     from another folder, it finds the bundled model converted in the repository, not a second copy."""
-    result = subprocess.run([sys.executable, gen.__file__, "--prompt", "Tell me about Paris", "--max_new_tokens", "8",
+    result = subprocess.run([sys.executable, str(REPO / "generate.py"), "--prompt", "Tell me about Paris", "--max_new_tokens", "8",
                              "--temperature", "0", "--profile", "trace.json"],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -540,7 +538,7 @@ def test_ctrl_c_keeps_the_streamed_answer_and_says_so():
 
 @pytest.mark.usefixtures("bundled_checkpoint")  # the command line's default model
 def test_interactive_chat_decodes_with_the_drafter_asked_for(monkeypatch, capsys):
-    import speculative
+    from fastllama import speculative
 
     drafters, plain = [], speculative.speculative_generate
     monkeypatch.setattr(speculative, "speculative_generate",

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert
-import generate as gen
-import quantize
-from checkpoint import CHECKPOINT_NAME, load_config, read_safetensors
-from errors import UserError
+from fastllama import convert, generate as gen, quantize
+from fastllama.checkpoint import CHECKPOINT_NAME, load_config, read_safetensors
+from fastllama.errors import UserError
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +116,7 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_its_own_model_does(bundled_chec
 
     import sentencepiece
 
-    from tokenizer import load_tokenizer
+    from fastllama.tokenizer import load_tokenizer
 
     lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
     model = io.BytesIO()

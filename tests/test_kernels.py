@@ -5,7 +5,7 @@ is no GPU), skipped where Triton is not installed."""
 import pytest
 import torch
 
-import quantize
+from fastllama import quantize
 
 kernels = pytest.importorskip("kernels", reason="Triton is not installed (pip install triton)")
 

@@ -5,11 +5,10 @@ import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-import cpu_decode
-import decode
-from errors import UserError
-from cpu_decode import FOLDED_ATTENTION_POSITIONS, SHORT_ATTENTION_KEYS
-from model import Attention, KVCache, ModelArgs, Transformer
+from fastllama import cpu_decode, decode
+from fastllama.errors import UserError
+from fastllama.cpu_decode import FOLDED_ATTENTION_POSITIONS, SHORT_ATTENTION_KEYS
+from fastllama.model import Attention, KVCache, ModelArgs, Transformer
 
 CONFIG = dict(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=512)
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint import CHECKPOINT_NAME, read_metadata, single, write_atomically, write_safetensors
-from convert import convert_hf_checkpoint
-from errors import UserError
-from generate import generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer
+from fastllama.checkpoint import CHECKPOINT_NAME, read_metadata, single, write_atomically, write_safetensors
+from fastllama.convert import convert_hf_checkpoint
+from fastllama.errors import UserError
+from fastllama.generate import generate, get_tokenizer, load_model
+from fastllama.model import ModelArgs, Transformer
 from shapes import SHAPES, shape
 
 transformers = pytest.importorskip("transformers")
@@ -185,7 +185,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
 def test_a_terminated_command_leaves_no_partial_file(tmp_path):
     """SIGTERM (kill, timeout) ends a command line as Ctrl-C does, through write_atomically's cleanup."""
     script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-              "from checkpoint import write_atomically; from errors import run_cli\n"
+              "from fastllama.checkpoint import write_atomically; from fastllama.errors import run_cli\n"
               f"run_cli(lambda args: write_atomically({str(tmp_path / 'out.bin')!r}, "
               "lambda f: (f.write('x'), f.flush(), time.sleep(60))), None)\n")
     process = subprocess.Popen([sys.executable, "-c", script])

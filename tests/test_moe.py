@@ -9,10 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import cpu_decode
-import quantize
-from model import ModelArgs, Transformer
-from moe import ExpertLinears, MoEFeedForward
+from fastllama import cpu_decode, quantize
+from fastllama.model import ModelArgs, Transformer
+from fastllama.moe import ExpertLinears, MoEFeedForward
 
 CONFIG = dict(vocab_size=64, n_layer=2, dim=64, n_head=4, n_local_heads=2, block_size=64, n_experts=8,
               n_active_experts=2, moe_intermediate_size=64)
@@ -121,7 +120,7 @@ def test_grouped_prefill_equals_token_by_token_and_compiles_for_any_length(mode,
 
 
 def test_weight_bytes_per_token_count_the_active_experts():
-    from generate import weight_bytes_per_token
+    from fastllama.generate import weight_bytes_per_token
 
     model = tiny_moe(None)
     experts = sum(p.nbytes for name, p in model.named_parameters() if ".w13." in name or ".w2." in name)
@@ -132,8 +131,8 @@ def test_weight_bytes_per_token_count_the_active_experts():
 def test_moe_configs_that_do_not_fit_are_refused_in_one_line(tmp_path):
     import json
 
-    from convert import config_from_hf, convert_hf_checkpoint
-    from errors import UserError
+    from fastllama.convert import config_from_hf, convert_hf_checkpoint
+    from fastllama.errors import UserError
     from tests.test_families import build
 
     with pytest.raises(UserError, match="Qwen2MoeForCausalLM .* is not supported; supported: .*MixtralForCausalLM"):
@@ -149,8 +148,8 @@ def test_moe_configs_that_do_not_fit_are_refused_in_one_line(tmp_path):
 
 
 def test_tp_refuses_expert_mlps_that_do_not_split():
-    from errors import UserError
-    from tp import check_divisible
+    from fastllama.errors import UserError
+    from fastllama.tp import check_divisible
 
     config = ModelArgs(**{**CONFIG, "moe_intermediate_size": 48})
     check_divisible(config, 2)
@@ -165,7 +164,7 @@ def test_int4_experts_shard_over_two_ranks(tmp_path):
     import sys
     from pathlib import Path
 
-    from convert import convert_hf_checkpoint
+    from fastllama.convert import convert_hf_checkpoint
     from tests.test_families import build, relative_error
     from tests.tp_worker import run_ids_case
 

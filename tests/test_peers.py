@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from errors import UserError
-from generate import generate
-from model import ModelArgs, Transformer
+from fastllama.errors import UserError
+from fastllama.generate import generate
+from fastllama.model import ModelArgs, Transformer
 from shapes import shape
 
 REPO = Path(__file__).parent.parent
@@ -79,9 +79,9 @@ def test_gpt_fast_int8_is_its_own_and_close_to_ours(gf, llama):
 
 
 def test_a_path_that_is_not_gpt_fast_is_one_line():
-    with pytest.raises(UserError, match=f"^{REPO.resolve()} is not a gpt-fast checkout: its model.py has no "
-                                        f"transformer_configs$"):
-        peers.load_gpt_fast(REPO)  # ours: a model.py and a generate.py, but not gpt-fast's
+    ours = (REPO / "fastllama").resolve()
+    with pytest.raises(UserError, match=f"^{ours} is not a gpt-fast checkout: its model.py has no transformer_configs$"):
+        peers.load_gpt_fast(ours)  # ours: a model.py and a generate.py, but not gpt-fast's
 
 
 def test_what_gpt_fast_cannot_run_is_one_line(gf):

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-import quantize
-from checkpoint import (CHECKPOINT_NAME, CONFIG_NAME, copy_companions, load_config, read_metadata, read_safetensors,
+from fastllama import quantize
+from fastllama.checkpoint import (CHECKPOINT_NAME, CONFIG_NAME, copy_companions, load_config, read_metadata, read_safetensors,
                         single, write_safetensors)
-from errors import UserError
-from generate import generate, get_tokenizer, load_model, weight_bytes_per_token
-from model import ModelArgs, Transformer
-from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
+from fastllama.errors import UserError
+from fastllama.generate import generate, get_tokenizer, load_model, weight_bytes_per_token
+from fastllama.model import ModelArgs, Transformer
+from fastllama.quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, pack_int4, quantize_int8, rtn_int4,
                       unpack_int4)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -489,7 +489,8 @@ def test_missing_checkpoint(tmp_path):
 
 PEAK_RSS = """
 import sys
-import torch, generate
+import torch
+from fastllama import generate
 
 def peak_kb():  # this process's peak RSS (VmHWM); ru_maxrss would carry over the parent's peak across exec
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])

@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import decode
-import serve
-from generate import generate, get_tokenizer
-from model import ModelArgs, Transformer
+from fastllama import decode, serve
+from fastllama.generate import generate, get_tokenizer
+from fastllama.model import ModelArgs, Transformer
 
 
 openai = pytest.importorskip("openai", reason="the server's tests speak through openai: pip install -e '.[test]'")
@@ -212,7 +211,7 @@ def test_a_client_gone_mid_stream_frees_its_row_while_others_finish(client, name
 
 def test_lm_eval_scores_a_task_through_the_server_as_eval_py_does(server, model_fp32, bundled_checkpoint):
     lm_eval = pytest.importorskip("lm_eval")
-    import eval as ev
+    from fastllama import eval as ev
 
     task, limit = str(REPO / "tasks" / "pydoc_cloze.yaml"), 20
     ours = ev.evaluate_tasks(ev.HarnessModel(model_fp32, get_tokenizer(bundled_checkpoint), "bundled", batch_size=4),

@@ -6,13 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-import cpu_decode
-import decode
-import speculative
-from errors import UserError
-from generate import compiled_steps, generate, get_tokenizer, load_model
-from model import ModelArgs, Transformer
-from speculative import DraftModel, PromptLookup
+from fastllama import cpu_decode, decode, speculative
+from fastllama.errors import UserError
+from fastllama.generate import compiled_steps, generate, get_tokenizer, load_model
+from fastllama.model import ModelArgs, Transformer
+from fastllama.speculative import DraftModel, PromptLookup
 
 PROMPTS = ["Once upon a time, in a small village by the sea,",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",

@@ -18,11 +18,10 @@ from collections import Counter
 import pytest
 import torch
 
-import decode
-import speculative
-from generate import generate
-from model import ModelArgs, Transformer
-from speculative import DraftHead, DraftModel, HeadDrafter, PromptLookup
+from fastllama import decode, speculative
+from fastllama.generate import generate
+from fastllama.model import ModelArgs, Transformer
+from fastllama.speculative import DraftHead, DraftModel, HeadDrafter, PromptLookup
 
 V = 8
 CONFIG = ModelArgs(vocab_size=V, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=64,

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from pydoc_data.topics import topics
 
-from checkpoint import copy_companions
-from errors import UserError
-from tokenizer import load_tokenizer
+from fastllama.checkpoint import copy_companions
+from fastllama.errors import UserError
+from fastllama.tokenizer import load_tokenizer
 
 TEXT = [line for topic in topics.values() for line in topic.splitlines() if line.strip()][:800]
 MIXED = "Hello, world! The 3 quick foxes: naïve café, 日本語 🙂\n\tindented  two  spaces "
@@ -166,7 +166,7 @@ def test_llama2_chat(tmp_path, sentencepiece_model):
 def test_a_harness_chat_context_is_encoded_as_its_dialog(tmp_path, sentencepiece_model):
     """eval.py with --apply_chat_template: the harness hands over the template's rendering, which holds
     its BOS already; encoded as a plain prompt, it would get a second one."""
-    import eval as ev
+    from fastllama import eval as ev
 
     config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": LLAMA2_TEMPLATE}
     tok = load_tokenizer(checkpoint(tmp_path, sentencepiece_model, tokenizer_config=config))

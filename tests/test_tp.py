@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import generate as gen
-import tp
-from errors import UserError
-from model import ModelArgs
+from fastllama import generate as gen, tp
+from fastllama.errors import UserError
+from fastllama.model import ModelArgs
 from shapes import shape
 from tests.tp_worker import CLEAR_MARGIN_PROMPTS, PROMPTS, run_case
 
@@ -22,7 +21,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 4e-2}
 
 @pytest.fixture(scope="module")
 def sharded_results(bundled_checkpoint, quantized_dir, int4_checkpoint, tmp_path_factory):
-    import quantize
+    from fastllama import quantize
 
     int8 = quantize.quantize(bundled_checkpoint, "int8", output=quantized_dir / "int8.safetensors")
     cases = [f"fp32:{bundled_checkpoint}", f"bf16:{bundled_checkpoint}", f"bf16:{int8}", f"bf16:{int4_checkpoint}"]
@@ -92,8 +91,8 @@ RANK_ZERO_FAILS = """
 import sys
 import torch.distributed as dist
 sys.path.insert(0, ".")
-import tp
-from errors import UserError
+from fastllama import tp
+from fastllama.errors import UserError
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 def make():

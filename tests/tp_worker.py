@@ -13,10 +13,8 @@ import sys
 
 import torch
 
-import generate as gen
-import quantize
-import tp
-from generate import generate, get_tokenizer, load_model
+from fastllama import generate as gen, quantize, tp
+from fastllama.generate import generate, get_tokenizer, load_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "1, 2, 3, 4, 5, 6, 7,"]

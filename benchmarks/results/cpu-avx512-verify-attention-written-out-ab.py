@@ -6,8 +6,8 @@ import os, statistics, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import generate as gen, decode, speculative, cpu_decode
-from model import Attention
+from fastllama import generate as gen, decode, speculative, cpu_decode
+from fastllama.model import Attention
 torch.set_grad_enabled(False)
 torch._dynamo.config.recompile_limit = 64
 model = gen.load_model(os.environ.get("C"), "cpu", os.environ.get("P", "bf16"))

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
-import cpu_decode  # noqa: E402
-import decode  # noqa: E402
-import generate as gen  # noqa: E402
+from fastllama import cpu_decode  # noqa: E402
+from fastllama import decode  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
 from benchmark_depths import fill_at_random  # noqa: E402
-from model import Attention, ModelArgs, Transformer  # noqa: E402
+from fastllama.model import Attention, ModelArgs, Transformer  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 

@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
-import cpu_decode  # noqa: E402
-import generate as gen  # noqa: E402
-import quantize  # noqa: E402
-from model import transformer_configs  # noqa: E402
+from fastllama import cpu_decode  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
+from fastllama import quantize  # noqa: E402
+from fastllama.model import transformer_configs  # noqa: E402
 
 FORMS = {
     "dequantize": lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
-import decode  # noqa: E402
-import generate as gen  # noqa: E402
-import quantize  # noqa: E402
+from fastllama import decode  # noqa: E402
+from fastllama import generate as gen  # noqa: E402
+from fastllama import quantize  # noqa: E402
 from benchmark import quantized_copy, randomized  # noqa: E402
-from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
+from fastllama.model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 
 STEP = decode.decode_one_token
 FORWARDS = {cls: cls.forward for cls in (torch.nn.Linear, quantize.Int8Linear, quantize.Int4Linear)}

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from model import Attention, Transformer
-from moe import ExpertLinears
+from .model import Attention, Transformer
+from .moe import ExpertLinears
 
 # ---------------------------------------------------------------------------------------------
 # How many rows (or keys) make a CPU product or attention take which form: every such count, here

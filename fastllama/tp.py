@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from checkpoint import fused_parts
-from errors import UserError
-from model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
-from moe import MoEFeedForward
+from .checkpoint import fused_parts
+from .errors import UserError
+from .model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+from .moe import MoEFeedForward
 
 
 def maybe_init_distributed(device: str | None = None) -> tuple[int, int]:

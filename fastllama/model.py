@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from errors import UserError
-from moe import MoEFeedForward
+from .errors import UserError
+from .moe import MoEFeedForward
 
 # The fused attention kernels this code is tested with (tests/test_cuda.py checks them against the
 # math backend). Not cuDNN's, which recent PyTorch prefers on Hopper GPUs, and which has had reports of

