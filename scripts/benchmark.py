@@ -41,14 +41,9 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # peers.py beside this file, when the tests load it
 
-from fastllama import cpu_decode  # noqa: E402
-from fastllama import decode  # noqa: E402
-from fastllama import generate as gen  # noqa: E402
 import apart  # noqa: E402
 import peers  # noqa: E402
-from fastllama import quantize  # noqa: E402
-from fastllama import speculative  # noqa: E402
-from fastllama import tp  # noqa: E402
+from fastllama import cpu_decode, decode, generate as gen, quantize, speculative, tp  # noqa: E402
 from shapes import shape  # noqa: E402
 from fastllama.checkpoint import load_config, read_metadata, write_json  # noqa: E402
 from fastllama.convert import bundled_gguf, hf_names  # noqa: E402
@@ -400,8 +395,9 @@ def main(args):
     if args.device == "cpu":  # what compiled decoding uses on CPU instead (cpu_decode.py)
         ms = matmul_floor_ms(model, args.device, torch.compile(cpu_decode.one_row_product))
         rows["floor (compiled mul-sum)"] = dict(ms_per_token=ms, weight_bytes=weight_bytes)
-    failed = {name: figures["error"] for name, figures in said.items() if "error" in figures} if args.apart else {}
+    failed = {}
     if args.apart:
+        failed = {name: figures["error"] for name, figures in said.items() if "error" in figures}
         rows.update(rows_apart(args, said))
         peer = peers.describe(gf) if gf else None
     else:

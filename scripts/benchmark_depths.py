@@ -19,9 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from fastllama import decode  # noqa: E402
-from fastllama import generate as gen  # noqa: E402
-from fastllama import quantize  # noqa: E402
+from fastllama import decode, generate as gen, quantize  # noqa: E402
 from benchmark import (check_model_arguments, copy_bandwidth_gbs, full_config, llama_bench_json, load,  # noqa: E402
                        model_arguments, quantized_models, timed, write_record)
 from fastllama.checkpoint import read_metadata  # noqa: E402

@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
-from fastllama import cpu_decode  # noqa: E402
-from fastllama import decode  # noqa: E402
-from fastllama import generate as gen  # noqa: E402
+from fastllama import cpu_decode, decode, generate as gen  # noqa: E402
 from benchmark_depths import fill_at_random  # noqa: E402
 from fastllama.model import Attention, ModelArgs, Transformer  # noqa: E402
 from shapes import SHAPES  # noqa: E402

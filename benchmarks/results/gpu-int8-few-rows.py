@@ -37,9 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
-from fastllama import cpu_decode  # noqa: E402
-from fastllama import generate as gen  # noqa: E402
-from fastllama import quantize  # noqa: E402
+from fastllama import cpu_decode, generate as gen, quantize  # noqa: E402
 from fastllama.model import transformer_configs  # noqa: E402
 
 FORMS = {

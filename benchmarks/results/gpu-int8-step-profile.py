@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
-from fastllama import decode  # noqa: E402
-from fastllama import generate as gen  # noqa: E402
-from fastllama import quantize  # noqa: E402
+from fastllama import decode, generate as gen, quantize  # noqa: E402
 from benchmark import quantized_copy, randomized  # noqa: E402
 from fastllama.model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 

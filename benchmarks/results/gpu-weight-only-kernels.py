@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fastllama import kernels  # noqa: E402
-from fastllama import quantize  # noqa: E402
+from fastllama import kernels, quantize  # noqa: E402
 
 LAYER = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}
 HEAD = {"output": (128256, 4096)}
