@@ -7,7 +7,7 @@ import torch
 
 from fastllama import quantize
 
-kernels = pytest.importorskip("kernels", reason="Triton is not installed (pip install triton)")
+kernels = pytest.importorskip("fastllama.kernels", reason="Triton is not installed (pip install triton)")
 
 # N and K that no tile divides, so that every mask is exercised
 N, K = 40, 448
