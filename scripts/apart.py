@@ -26,7 +26,7 @@ import torch
 def measure(commands: dict[str, list[str]], runs: int) -> dict[str, dict]:
     """Start each command (a child measuring the rung it is named for), have them build in the order given,
     then `runs` rounds in that order. Returns, for each rung, what its child said when ready (first_run_s,
-    weight_bytes, memory_gb, note) with its runs' seconds (full, first), or error."""
+    weight_bytes, memory_gb, note) with its runs' seconds (full_s, first_s), or error."""
     children = {name: subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
                 for name, command in commands.items()}
     said = {name: {} for name in commands}
@@ -49,7 +49,7 @@ def measure(commands: dict[str, list[str]], runs: int) -> dict[str, dict]:
                     return True
         except BrokenPipeError as e:
             child.kill()
-            said[name]["error"] = f"broke the protocol: {e}"
+            said[name]["error"] = f"its pipe closed: {e}"
             return False
         said[name]["error"] = f"exited with {child.wait()} before it said {answer} (its output is above)"
         return False
