@@ -20,8 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
 from fastllama import decode, generate as gen, quantize  # noqa: E402
-from benchmark import (check_model_arguments, copy_bandwidth_gbs, full_config, llama_bench_json, load,  # noqa: E402
-                       model_arguments, quantized_models, timed, write_record)
+from benchmark import (check_model_arguments, copy_bandwidth_gbs, llama_bench_json, model_arguments,  # noqa: E402
+                       timed, write_record)
+from ladder_models import full_config, load, quantized_models  # noqa: E402
 from fastllama.checkpoint import read_metadata  # noqa: E402
 from fastllama.convert import bundled_gguf  # noqa: E402
 from fastllama.errors import UserError, refuse, run_cli  # noqa: E402

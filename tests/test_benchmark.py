@@ -21,6 +21,7 @@ REPO = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
 benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(benchmark)
+import ladder_models  # noqa: E402 (scripts/, on the path as benchmark.py puts it)
 
 
 def test_hf_model_holds_our_weights(model_fp32):
@@ -220,7 +221,7 @@ def test_apart_reports_a_child_that_fails_and_measures_the_others(tmp_path):
 
 
 def test_release_frees_what_the_rung_does_not_hold():
-    model = benchmark.random_model(benchmark.shape("SmolLM2-135M"), argparse.Namespace(precision="bf16", device="cpu"))
+    model = ladder_models.random_model(benchmark.shape("SmolLM2-135M"), argparse.Namespace(precision="bf16", device="cpu"))
     int8 = benchmark.quantized_copy(model, model.config, "int8", 32)
     benchmark.apart.release(model, keep=int8)
     assert model.layers[0].attention.wqkv.weight.numel() == 0
