@@ -509,7 +509,6 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 def write_gguf_tokenizer(meta: dict, out_dir: Path):
     """The tokenizer of a GGUF file, as the files load_tokenizer reads: a SentencePiece tokenizer.model
     ("llama" vocabularies) or a HF tokenizer.json (GPT-2-style BPE), and a tokenizer_config.json."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     if meta["tokenizer.ggml.model"] == "llama":
         write_atomically(out_dir / "tokenizer.model", lambda f: f.write(sentencepiece_model(meta)), binary=True)
     else:
