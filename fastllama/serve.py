@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import decode, tp
+from . import cpu_decode, decode, tp
 from .checkpoint import load_config
 from .errors import UserError, run_cli
 from .generate import (KV_CACHE_DTYPES, PRECISIONS, busy_cores, compiled_steps, cpu_clock, default_device,
@@ -109,7 +109,11 @@ class Engine:
         self.model, self.steps, self.world = model, steps, world
         self.device = next(model.parameters()).device
         model.setup_caches(max_batch, context, prefill_chunk, kv_cache_dtype)
-        self.twin = sharing_weights(model)
+        # a CPU bf16 model's steps of several rows, and its prompts, read oneDNN's copy of its weights
+        # (a second copy in memory): a step of 8 rows takes 1.7x one row's so, 2.8x without
+        # (benchmarks/RESULTS.md, "The server's steps through oneDNN's packed weights")
+        cpu_decode.pack(model)
+        self.twin = sharing_weights(model)  # after pack(): the twin shares the packed copies too
         self.twin.setup_caches(1, context, prefill_chunk, kv_cache_dtype)
         self.chunks = None  # the prompt being prefilled, as decode.prefill_by_chunks yields it
 

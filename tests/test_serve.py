@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastllama import decode, serve
+from fastllama import cpu_decode, decode, serve
 from fastllama.generate import generate, get_tokenizer
 from fastllama.model import ModelArgs, Transformer
 
@@ -65,6 +65,18 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows):
         return answers
 
     assert asyncio.run(ask_all()) == expected
+
+
+@pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels of its own on this CPU")
+def test_a_bf16_cpu_engine_steps_through_packed_weights():
+    """On a CPU with oneDNN's bf16 kernels the engine's model and its prefill twin read one packed copy of
+    each linear's weight (a step of several rows costs much less so): made once, shared, current."""
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
+    model = model.to(torch.bfloat16).eval()
+    cpu_decode.apply(model)
+    engine = serve.Engine(model, 4, 64, decode.EAGER)
+    linears = [(a, b) for a, b in zip(model.modules(), engine.twin.modules()) if isinstance(a, cpu_decode.FewRowLinear)]
+    assert linears and all(a.packed_is_current() and b.packed is a.packed for a, b in linears)
 
 
 def free_port() -> int:
