@@ -22,7 +22,7 @@ from safetensors import safe_open
 from .checkpoint import (DTYPES, CHECKPOINT_NAME, CONFIG_NAME, is_ours, read_json, single, write_atomically,
                         write_json, write_safetensors)
 from .errors import UserError
-from .model import ModelArgs, Transformer
+from .model import ModelArgs, Transformer, llama3_scale_frequencies
 
 # in the repository, whatever the current folder: every command (and a notebook) finds the one
 # conversion, and what is saved beside it (a draft head)
@@ -348,9 +348,15 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1")
 GGUF_INT8 = ("Q8_0", "Q8_1", "Q8_K", "Q6_K")
 GGUF_FLOATS = ("F32", "F16", "BF16")
-# the GGUF tokenizers this import writes, by their pre-tokenizer (tokenizer.ggml.pre, llama.cpp's
-# name): whether digits are split one by one before GPT-2's byte-level split (SmolLM2's "smollm")
-GGUF_SPLITS = {"gpt-2": False, "smollm": True}
+# Llama 3's split of a text into words before its byte-level BPE (the Split pre-tokenizer of its tokenizer.json)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# the GPT-2-style BPE tokenizers this import writes, by their pre-tokenizer (tokenizer.ggml.pre, llama.cpp's
+# name): digits split one by one first (SmolLM2's "smollm"); words split by a regex of their own rather
+# than GPT-2's; a word found whole in the vocabulary taken as one token, before any merge (Llama 3's
+# "ignore_merges", which llama.cpp applies to "llama-bpe" files)
+GGUF_PRE_TOKENIZERS = {"gpt-2": {}, "smollm": {"digits": True},
+                       "llama-bpe": {"regex": LLAMA3_SPLIT, "ignore_merges": True}}
 # the converted GGUF files, each in a folder of its name, beside the bundled model's conversion
 GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
 GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
@@ -417,14 +423,15 @@ def read_gguf(gguf_path: Path) -> tuple[dict, dict]:
     if architecture != "llama":
         raise UserError(f"{gguf_path} holds a {architecture} model: only llama-architecture GGUF files are taken; "
                         f"convert the model's Hugging Face checkpoint instead (scripts/convert_hf_checkpoint.py)")
-    if meta.get("llama.rope.scaling.type", "none") != "none":
+    if meta.get("llama.rope.scaling.type", "none") not in ("none", "linear"):
         raise UserError(f"{gguf_path} scales RoPE ({meta['llama.rope.scaling.type']}), which this import does not "
-                        f"take: convert the model's Hugging Face checkpoint instead")
+                        f"take (it takes linear, and Llama 3.1's rope_freqs): convert the model's Hugging Face "
+                        f"checkpoint instead")
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if not (model == "llama" or model == "gpt2" and pre in GGUF_SPLITS):
+    if not (model == "llama" or model == "gpt2" and pre in GGUF_PRE_TOKENIZERS):
         raise UserError(f"{gguf_path} has a tokenizer this import does not write ({model!r}, pre-tokenizer {pre!r}); "
                         f"it takes SentencePiece (\"llama\") and GPT-2 BPE with the pre-tokenizers "
-                        f"{', '.join(GGUF_SPLITS)}: convert the model's Hugging Face checkpoint instead")
+                        f"{', '.join(GGUF_PRE_TOKENIZERS)}: convert the model's Hugging Face checkpoint instead")
     for t in {t.tensor_type: t for t in tensors.values()}.values():
         try:  # one row of each type
             gguf.quants.dequantize(t.data[:1], t.tensor_type)
@@ -445,16 +452,20 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float
 
     meta, tensors = contents or read_gguf(gguf_path)
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    dim = meta["llama.embedding_length"]
+    head_dim = meta.get("llama.rope.dimension_count", dim // n_head)
+    rope_base = meta.get("llama.rope.freq_base", 10000.0)
     args = ModelArgs(
         block_size=meta["llama.context_length"],
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         n_layer=meta["llama.block_count"],
         n_head=n_head,
-        dim=meta["llama.embedding_length"],
+        dim=dim,
         intermediate_size=meta["llama.feed_forward_length"],
         n_local_heads=n_kv,
-        head_dim=meta.get("llama.rope.dimension_count"),
-        rope_base=meta.get("llama.rope.freq_base", 10000.0),
+        head_dim=head_dim,
+        rope_base=rope_base,
+        rope_scaling=gguf_rope_scaling(meta, tensors, head_dim, rope_base, gguf_path),
         norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
         tie_embeddings="output.weight" not in tensors,
     )
@@ -467,8 +478,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     names = gguf_names(args)
-    unused = sorted(set(tensors) - {n for parts in names.values() for n, _ in parts})
-    if unused:  # rope_freqs.weight (Llama 3.1's RoPE scaling), say: a model this import would compute wrong
+    unused = sorted(set(tensors) - {n for parts in names.values() for n, _ in parts} - {ROPE_FREQS})
+    if unused:  # a bias, say: a model this import would compute wrong
         raise UserError(f"this import would leave out {len(unused)} of the tensors of {gguf_path} (e.g. "
                         f"{unused[0]!r}): convert the model's Hugging Face checkpoint instead")
     entries = [single(name, dtype, shapes[name],
@@ -481,6 +492,46 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float
     write_safetensors(output, entries, {"source": str(gguf_path)}, desc="dequantizing GGUF")
     write_json(out_dir / CONFIG_NAME, asdict(args))
     return output
+
+
+ROPE_FREQS = "rope_freqs.weight"  # what each RoPE frequency is divided by (Llama 3.1's scaling, as llama.cpp holds it)
+
+
+def gguf_rope_scaling(meta: dict, tensors: dict, head_dim: int, base: float, gguf_path: Path) -> dict | None:
+    """Our rope_scaling for a GGUF file: linear from its metadata; Llama 3.1's "llama3" from its
+    rope_freqs tensor, which llama.cpp's converter computes from those parameters (factor 1 for the high
+    frequencies, `factor` for the low ones, a blend between). They are found again from it: `factor` is
+    its largest; in between, 1 / its value runs linear in 1 / wavelength, and that line's two coefficients
+    are all the blend depends on (low_freq_factor 1 is taken, and the others follow). A file whose factors
+    these do not give back is refused."""
+    if meta.get("llama.rope.scaling.type") == "linear":
+        return {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+    if ROPE_FREQS not in tensors:
+        return None
+    factors = torch.tensor(tensors[ROPE_FREQS].data, dtype=torch.float64).flatten()
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor = float(factors.max())
+    if len(factors) != len(inv_freq) or factor < 1:
+        raise UserError(f"{gguf_path}: its {ROPE_FREQS} ({len(factors)} values, up to {factor:g}) are not a "
+                        f"RoPE scaling of its {head_dim // 2} frequencies this import takes")
+    if factor == 1:
+        return None
+    between = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    scaling = None
+    if int(between.sum()) >= 2:  # smooth = old_len / wavelength / (high - low) - low / (high - low)
+        smooth = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
+        x = torch.stack([inv_freq[between] / (2 * math.pi), -torch.ones_like(smooth)], dim=1)
+        slope, offset = torch.linalg.lstsq(x, smooth[:, None]).solution.flatten().tolist()
+        if offset > 0:  # rounded as a config would write them (the check below holds either way)
+            old_len = round(slope / offset, 2)
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                       "high_freq_factor": round(1 + 1 / offset, 4),
+                       "original_max_position_embeddings": int(old_len) if old_len.is_integer() else old_len}
+    if scaling is None or not torch.allclose(
+            inv_freq / llama3_scale_frequencies(inv_freq, scaling), factors, rtol=1e-4):
+        raise UserError(f"{gguf_path}: its {ROPE_FREQS} are not Llama 3.1's RoPE scaling, which this import "
+                        f"takes: convert the model's Hugging Face checkpoint instead")
+    return scaling
 
 
 def gguf_names(args: ModelArgs) -> dict[str, list[tuple[str, int | None]]]:
@@ -530,14 +581,19 @@ def gpt2_tokenizer(meta: dict):
     import gguf
 
     try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
         raise UserError("the bundled model's tokenizer needs the tokenizers package: pip install tokenizers")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    split_digits = [pre_tokenizers.Digits(individual_digits=True)] if GGUF_SPLITS[meta["tokenizer.ggml.pre"]] else []
-    tok.pre_tokenizer = pre_tokenizers.Sequence(split_digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    pre = GGUF_PRE_TOKENIZERS[meta["tokenizer.ggml.pre"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                               ignore_merges=pre.get("ignore_merges", False)))
+    splits = [pre_tokenizers.Digits(individual_digits=True)] if pre.get("digits") else []
+    if "regex" in pre:
+        splits.append(pre_tokenizers.Split(Regex(pre["regex"]), behavior="isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                   use_regex="regex" not in pre)])
     tok.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == gguf.TokenType.CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])

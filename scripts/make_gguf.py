@@ -5,7 +5,10 @@ benchmarks and tests run on where the real file is too large to have (llama.cpp 
 
 The shape's vocabulary must be the bundled tokenizer's (the SmolLM2 shapes'); with --sentencepiece
 MODEL, the vocabulary is that SentencePiece tokenizer.model's instead, as llama.cpp writes a Llama 2 or
-Mistral vocabulary (tokenizer.ggml.model "llama"). The layers' matrices
+Mistral vocabulary (tokenizer.ggml.model "llama"); with --hf_tokenizer DIR, that folder's byte-level BPE
+tokenizer.json (and its tokenizer_config.json's bos and eos), as llama.cpp writes a Llama 3 vocabulary
+(tokenizer.ggml.model "gpt2", --pre llama-bpe). A shape with Llama 3.1's RoPE scaling gets the
+rope_freqs tensor llama.cpp's converter writes for it. The layers' matrices
 are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
 (it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
 with a standard deviation of dim^-0.5, so that the activations stay of the size real models have.
@@ -13,6 +16,7 @@ with a standard deviation of dim^-0.5, so that the activations stay of the size 
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -27,15 +31,21 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = "Q8_0",
-              n_layer: int | None = None, seed: int = 0, sentencepiece: Path | None = None) -> Path:
+              n_layer: int | None = None, seed: int = 0, sentencepiece: Path | None = None,
+              hf_tokenizer: Path | None = None, pre: str = "llama-bpe", rope_scaling: dict | None = None) -> Path:
+    """rope_scaling: another Llama 3.1 RoPE scaling than the shape's (tests)."""
     import gguf
+    import torch
 
-    from fastllama.convert import bundled_gguf
+    from fastllama.convert import ROPE_FREQS, bundled_gguf
+    from fastllama.model import llama3_scale_frequencies
 
     args = shape(model)
+    if rope_scaling:
+        args = dataclasses.replace(args, rope_scaling=rope_scaling)
     n_layer = n_layer or args.n_layer
-    if sentencepiece:
-        tokenizer = sentencepiece_fields(sentencepiece)
+    if sentencepiece or hf_tokenizer:
+        tokenizer = sentencepiece_fields(sentencepiece) if sentencepiece else hf_bpe_fields(hf_tokenizer, pre)
         args = dataclasses.replace(args, vocab_size=len(tokenizer["tokenizer.ggml.tokens"][0]))
     else:  # the bundled model's tokenizer fields, with their types (llama.cpp checks them)
         tokenizer = {name: (field.contents(), field.types)
@@ -43,9 +53,10 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
     vocabulary = len(tokenizer["tokenizer.ggml.tokens"][0])
     if vocabulary != args.vocab_size:
         raise UserError(f"{model} has a vocabulary of {args.vocab_size}, the bundled tokenizer one of {vocabulary}: "
-                        f"take a SmolLM2 shape")
-    if args.rope_scaling or args.qkv_bias or args.qk_norm or args.sliding_window or args.n_experts:
-        raise UserError(f"{model} is not a plain Llama: take a SmolLM2 shape")
+                        f"take a SmolLM2 shape, or give the shape's vocabulary (--sentencepiece, --hf_tokenizer)")
+    llama3 = (args.rope_scaling or {}).get("rope_type") == "llama3"
+    if args.rope_scaling and not llama3 or args.qkv_bias or args.qk_norm or args.sliding_window or args.n_experts:
+        raise UserError(f"{model} is not a plain Llama: take a SmolLM2 or Llama shape")
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")  # renamed once whole
     writer = gguf.GGUFWriter(str(partial), "llama")
@@ -74,6 +85,9 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
     if not args.tie_embeddings:
         add("output.weight", args.vocab_size, args.dim, tensor_type)
     writer.add_tensor("output_norm.weight", np.ones(args.dim, dtype=np.float32))
+    if llama3:  # what each frequency is divided by
+        inv_freq = 1.0 / args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim)
+        writer.add_tensor(ROPE_FREQS, (inv_freq / llama3_scale_frequencies(inv_freq, args.rope_scaling)).numpy())
     for i in range(n_layer):
         b = f"blk.{i}."
         for name, rows, cols in (("attn_q", q, args.dim), ("attn_k", kv, args.dim), ("attn_v", kv, args.dim),
@@ -117,6 +131,43 @@ def sentencepiece_fields(path: Path) -> dict:
     return fields
 
 
+def hf_bpe_fields(folder: Path, pre: str) -> dict:
+    """A folder's HF tokenizer.json of byte-level BPE (a Llama 3 checkpoint's) as GGUF tokenizer fields, as
+    llama.cpp's converter writes them: the tokens by id (added special tokens as control tokens, other
+    added ones user-defined), the merges, the pre-tokenizer's name, and tokenizer_config.json's bos and eos."""
+    import gguf
+
+    try:
+        data = json.loads((folder / "tokenizer.json").read_text())
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--hf_tokenizer {folder}: no tokenizer.json and tokenizer_config.json there ({e})")
+    if data["model"].get("type") != "BPE":
+        raise UserError(f"--hf_tokenizer {folder}: not a BPE tokenizer")
+    ids = dict(data["model"]["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    ids.update({text: t["id"] for text, t in added.items()})
+    tokens = sorted(ids, key=ids.get)
+    if [ids[t] for t in tokens] != list(range(len(tokens))):
+        raise UserError(f"--hf_tokenizer {folder}: its ids are not 0 .. {len(tokens) - 1}")
+    T = gguf.TokenType
+    types = [int(T.NORMAL if t not in added else T.CONTROL if added[t]["special"] else T.USER_DEFINED) for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    V = gguf.GGUFValueType
+    fields = {"tokenizer.ggml.model": ("gpt2", [V.STRING]), "tokenizer.ggml.pre": (pre, [V.STRING]),
+              "tokenizer.ggml.tokens": (tokens, [V.ARRAY, V.STRING]),
+              "tokenizer.ggml.token_type": (types, [V.ARRAY, V.INT32]),
+              "tokenizer.ggml.merges": (merges, [V.ARRAY, V.STRING])}
+    for key in ("bos", "eos"):
+        token = config.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token in ids:
+            fields[f"tokenizer.ggml.{key}_token_id"] = (ids[token], [V.UINT32])
+    add_bos = config.get("add_bos_token", "tokenizer.ggml.bos_token_id" in fields)
+    fields["tokenizer.ggml.add_bos_token"] = (bool(add_bos), [V.BOOL])
+    return fields
+
+
 def protobuf_messages(data: bytes):
     """(field number, {number: varint value}) for each length-delimited field of a protobuf message: the
     pieces of a SentencePiece model, each with the varint fields of its own message (3: the type)."""
@@ -150,19 +201,24 @@ def protobuf_messages(data: bytes):
 
 
 def main(args):
-    path = make_gguf(args.output, args.model, args.type, args.embedding_type, args.n_layer, args.seed, args.sentencepiece)
+    path = make_gguf(args.output, args.model, args.type, args.embedding_type, args.n_layer, args.seed,
+                     args.sentencepiece, args.hf_tokenizer, args.pre)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--model", default="SmolLM2-1.7B", help="a known shape (scripts/shapes.py) of SmolLM2's vocabulary")
+    p.add_argument("--model", default="SmolLM2-1.7B", help="a known shape (scripts/shapes.py): a SmolLM2 one with the "
+                   "bundled vocabulary, a plain Llama one with --sentencepiece or --hf_tokenizer")
     p.add_argument("--type", choices=TYPES, default="Q4_1", help="of the layers' matrices")
     p.add_argument("--embedding_type", choices=TYPES, default="Q8_0", help="of the embedding table")
     p.add_argument("--n_layer", type=int, default=None, help="fewer layers than the shape has (tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sentencepiece", type=Path, default=None,
                    help="a SentencePiece tokenizer.model whose vocabulary the file takes (as Llama 2's or Mistral's)")
+    p.add_argument("--hf_tokenizer", type=Path, default=None,
+                   help="a folder with a byte-level BPE tokenizer.json whose vocabulary the file takes (as Llama 3's)")
+    p.add_argument("--pre", default="llama-bpe", help="with --hf_tokenizer: llama.cpp's name of its pre-tokenizer")
     p.add_argument("--output", type=Path, required=True)
     run_cli(main, p.parse_args())

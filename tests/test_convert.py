@@ -132,9 +132,13 @@ def test_unmapped_tensor_is_refused(tmp_path):
     assert repr(extra) in message
 
 
-def test_a_gguf_tensor_the_import_would_leave_out_is_refused(tmp_path):
-    """Llama 3.1's GGUFs carry their RoPE scaling as rope_freqs.weight: an import without it would
-    compute another model."""
+@pytest.mark.parametrize("extra, values, said", [
+    ("output_norm.bias", [0.0] * 8, "would leave out 1 of the tensors of .*model.gguf \\(e.g. 'output_norm.bias'\\)"),
+    ("rope_freqs.weight", [1.0, 3.0], "model.gguf: its rope_freqs.weight are not Llama 3.1's RoPE scaling"),
+    ("rope_freqs.weight", [1.0, 1.0, 1.0], "3 values, up to 1\\) are not a RoPE scaling of its 2 frequencies")])
+def test_a_gguf_tensor_the_import_would_leave_out_or_misread_is_refused(tmp_path, extra, values, said):
+    """A tensor with no place in the model (an import without it would compute another model), and RoPE
+    factors (rope_freqs) that are not Llama 3.1's scaling: refused, nothing written."""
     gguf = pytest.importorskip("gguf")
     from fastllama.convert import import_gguf
 
@@ -147,11 +151,11 @@ def test_a_gguf_tensor_the_import_would_leave_out_is_refused(tmp_path):
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(["a", "b", "c", "d"])
     writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    writer.add_tensor("rope_freqs.weight", torch.ones(2).numpy())
+    writer.add_tensor(extra, torch.tensor(values).numpy())
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         write()
     writer.close()
-    with pytest.raises(UserError, match="would leave out 1 of the tensors of .*model.gguf \\(e.g. 'rope_freqs.weight'\\)"):
+    with pytest.raises(UserError, match=said):
         import_gguf(tmp_path / "model.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -3,6 +3,8 @@ as int8, other types dequantized and quantized again with a notice, floats kept 
 import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
 layers, with the bundled model's tokenizer (scripts/make_gguf.py)."""
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +17,7 @@ import torch
 from fastllama import convert, generate as gen, quantize
 from fastllama.checkpoint import CHECKPOINT_NAME, load_config, read_safetensors
 from fastllama.errors import UserError
+from fastllama.model import rope_tables
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +140,94 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_its_own_model_does(bundled_chec
     assert (ours.bos_id, ours.eos_id, ours.add_bos) == (1, 2, True)
 
 
+# Llama 3's tokenizer.json splits a text so before its byte-level BPE
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEXTS = ["Hello world", "  two  spaces,\ta tab\nand a line\n\n", "digits 1234567 and 3.14159", "I'M HERE, don't we'll",
+         "ünïcödé 東京 🙂!!", "<|eot_id|> after a special", " a leading space", "trailing  ", "x=y+1;//ok...?",
+         "run `python generate.py --compile` (the default) **now**", "a zqxv word found whole"]
+
+
+@pytest.fixture(scope="module")
+def llama3_file(bundled_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """A GGUF file as llama.cpp writes Llama 3.2's (a "llama-bpe" vocabulary, RoPE scaled through rope_freqs)
+    at a tiny scale, fp32: a byte-level BPE trained here with Llama 3's pre-tokenizer, its original context set
+    to 32 positions so that the scaling shows within a short text. (the file, the tokenizer's folder)"""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("llama3")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    # as in Llama 3's: a word found whole in the vocabulary is one token, merges or not ("Ġ" is a space)
+    data = json.loads(tok.to_str())
+    data["model"]["ignore_merges"] = True
+    data["model"]["vocab"]["Ġzqxv"] = len(data["model"]["vocab"])
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}')
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+    path = make_gguf(folder / "llama3.gguf", "SmolLM2-135M", "F32", "F32", n_layer=2, hf_tokenizer=folder,
+                     rope_scaling=scaling)
+    return path, folder
+
+
+def test_a_llama3_vocabulary_tokenizes_as_llama_cpp_and_its_own_tokenizer_do(llama3_file, tmp_path):
+    """A "llama-bpe" vocabulary (Llama 3): converted, it encodes every text as the tokenizer.json it came from
+    and as llama.cpp reading the GGUF file does (digits in threes, contractions, runs of spaces and lines)."""
+    from tokenizers import Tokenizer
+
+    from fastllama.tokenizer import load_tokenizer
+
+    path, folder = llama3_file
+    convert.import_gguf(path, tmp_path / "out")
+    ours = load_tokenizer(tmp_path / "out")
+    original = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    llama_cpp = pytest.importorskip("llama_cpp")
+    theirs = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert ours.encode(text) == original.encode(text).ids, text
+        assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=True), text
+        assert ours.decode(ours.encode(text)) == original.decode(original.encode(text).ids)  # specials left out
+    assert (ours.bos_id, ours.eos_id, ours.add_bos) == (0, 2, True)
+
+
+@torch.no_grad()
+def test_rope_scaling_from_rope_freqs_computes_what_llama_cpp_computes(llama3_file, tmp_path):
+    """Llama 3.1's RoPE scaling, which a GGUF file holds as rope_freqs (what each frequency is divided by),
+    comes back as the llama3 parameters that give those factors; the model's logits over a text past the
+    original context then match llama.cpp's on the same file (without the scaling they would not)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path, _ = llama3_file
+    checkpoint = convert.import_gguf(path, tmp_path / "out")
+    config = load_config(checkpoint)
+    assert config.rope_scaling == dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=32)
+    tokens = torch.randint(3, config.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
+    theirs = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                             type_k=0, type_v=0)  # an fp32 cache (GGML_TYPE_F32), as ours
+    theirs.eval(tokens.tolist())
+    reference = torch.from_numpy(theirs.scores[:len(tokens)].copy())
+    model = gen.load_model(checkpoint, "cpu", "fp32")
+    model.setup_caches(1, 64)
+    ours = model(tokens[None], torch.arange(len(tokens)))[0]
+    error = ((ours - reference).norm() / reference.norm()).item()
+    model.rope_cache = rope_tables(dataclasses.replace(config, rope_scaling=None), 64)[0]
+    unscaled = model(tokens[None], torch.arange(len(tokens)))[0]
+    assert error < 1e-5 and ((unscaled - reference).norm() / reference.norm()).item() > 1e-2, error
+
+
+def test_linear_rope_scaling_is_read_from_the_metadata(tmp_path):
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    assert convert.gguf_rope_scaling(meta, {}, 64, 1e4, tmp_path / "x.gguf") == {"rope_type": "linear", "factor": 4.0}
+    assert convert.gguf_rope_scaling({}, {}, 64, 1e4, tmp_path / "x.gguf") is None
+
+
 def minimal_gguf(path: Path, architecture: str = "llama", pre: str = "smollm") -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_uint32(f"{architecture}.block_count", 1)
@@ -151,7 +242,7 @@ def minimal_gguf(path: Path, architecture: str = "llama", pre: str = "smollm") -
 
 
 @pytest.mark.parametrize("architecture, pre, named", [("qwen2", "smollm", "holds a qwen2 model"),
-                                                      ("llama", "llama-bpe", "pre-tokenizer 'llama-bpe'"),
+                                                      ("llama", "tekken", "pre-tokenizer 'tekken'"),
                                                       ("llama", "smollm", "holds no layers' weights")])
 def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architecture, pre, named):
     path = minimal_gguf(tmp_path / "model.gguf", architecture, pre)
