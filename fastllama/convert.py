@@ -408,8 +408,8 @@ def gguf_fields(reader) -> dict:
 
 def read_gguf(gguf_path: Path) -> tuple[dict, dict]:
     """A GGUF file's metadata and tensors by name, refusing what this import does not take: another
-    architecture, a RoPE scaling, a tokenizer it does not write, a tensor type the gguf package cannot
-    dequantize."""
+    architecture, a RoPE scaling other than linear (Llama 3.1's is read later, from its tensor), a
+    tokenizer it does not write, a tensor type the gguf package cannot dequantize."""
     try:
         import gguf
     except ImportError:

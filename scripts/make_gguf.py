@@ -142,7 +142,7 @@ def hf_bpe_fields(folder: Path, pre: str) -> dict:
         config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--hf_tokenizer {folder}: no tokenizer.json and tokenizer_config.json there ({e})")
-    if data["model"].get("type") != "BPE":
+    if data.get("model", {}).get("type") != "BPE":
         raise UserError(f"--hf_tokenizer {folder}: not a BPE tokenizer")
     ids = dict(data["model"]["vocab"])
     added = {t["content"]: t for t in data.get("added_tokens", [])}
