@@ -491,35 +491,57 @@ SPECULATIVE_PROMPTS = {
 }
 
 
+class Foreseen(speculative.Drafter):
+    """Drafts the very tokens the target's plain greedy decoding gave the prompt (text: the prompt and
+    that answer, (L,)): every draft right while the speculative text stays the plain one (in bf16 a verify
+    step's near-tie can go the other way, and the drafts after it are wrong: the acceptance says so). The
+    most any drafter can give at this k, its own cost apart."""
+
+    def __init__(self, text: Tensor):
+        self.text = text
+
+    def propose(self, tokens, lengths, k, **sampling):
+        at = (lengths[:, None] + torch.arange(k, device=tokens.device)).clamp(max=len(self.text) - 1)
+        return self.text[at], None
+
+
 @torch.no_grad()
 def speculative_main(args):
     """What a verify step costs against a plain step (--precision's model, int8 and int4; unless
     --no-verify-cost), then plain decoding against each drafter, compiled, on real prompts: acceptance
-    and speedup, greedy and at each of --temperatures."""
-    model = gen.load_model(args.checkpoint_path, args.device, args.precision)
-    tokenizer = gen.get_tokenizer(args.checkpoint_path)
+    and speedup, greedy and at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen):
+    the most a drafter can give. With --model (random weights) the prompt is --prompt_length random
+    tokens, and foreseen is the one drafter (the others' acceptance needs real weights)."""
+    model = load(args)
     steps = gen.compiled_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
-    drafts = drafters(args, model)
+    drafts = {} if args.model else drafters(args, model)
     rows = [] if args.no_verify_cost else [verify_cost(name, m, args, steps) for name, m in [
         (args.precision, model), ("int8", quantized_copy(model, model.config, "int8", args.groupsize)),
         (f"int4 g{args.groupsize}", quantized_copy(model, model.config, "int4", args.groupsize))]]
-    print(f"\n{args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
+    if args.model:
+        prompts = {"random": torch.randint(model.config.vocab_size, (args.prompt_length,),
+                                           generator=torch.Generator().manual_seed(0)).to(args.device)}
+    else:
+        tokenizer = gen.get_tokenizer(args.checkpoint_path)
+        prompts = {name: torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device)
+                   for name, text in SPECULATIVE_PROMPTS.items()}
+    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
           f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
     print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'decode':>6}  "
           f"acceptance")
     for temperature in args.temperatures:
-        for name, text in SPECULATIVE_PROMPTS.items():
-            prompt = torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device)
-
+        for name, prompt in prompts.items():
             def run(new_tokens=args.max_new_tokens, **kw):
                 torch.manual_seed(0)
                 return gen.generate(model, prompt, new_tokens, temperature=temperature, speculate_k=args.speculate_k,
                                     steps=steps, **kw)
 
             ways = {"plain": {}, **drafts}
+            if temperature == 0:  # the plain run's answer, which compiles its steps too
+                ways["foreseen"] = dict(drafter=Foreseen(run().to(args.device)))
             for kwargs in ways.values():
                 run(**kwargs)  # compiles, the first time
             # run by run, every way in turn: a shared machine's speed drifts between runs by more than
@@ -531,7 +553,7 @@ def speculative_main(args):
                 for way, kwargs in ways.items():
                     seconds[way].append(timed(lambda: run(**kwargs), args.device))
             n, plain = args.max_new_tokens, statistics.median(seconds["plain"])
-            for drafter, kwargs in drafts.items():
+            for drafter, kwargs in list(ways.items())[1:]:
                 spec = statistics.median(seconds[drafter])
                 speedup = statistics.median(p / s for p, s in zip(seconds["plain"], seconds[drafter]))
                 decode_speedup = statistics.median((p - f) / (s - f) for p, s, f in
@@ -745,8 +767,9 @@ if __name__ == "__main__":
     p.add_argument("--num_fewshot", type=int, default=None, help="with --harness: examples before each question")
     p.add_argument("--speculative", action="store_true",
                    help="instead: the verify steps' cost against plain steps (bf16, int8, int4), then plain "
-                        "decoding against each drafter (prompt lookup, the draft head, --draft_checkpoint_path) "
-                        "on real prompts")
+                        "decoding against each drafter (prompt lookup, the draft head, --draft_checkpoint_path; "
+                        "greedy, foreseen: every draft right) on real prompts; with --model, random weights: the "
+                        "verify steps and foreseen on a random prompt")
     p.add_argument("--draft_checkpoint_path", default=None, help="a draft model for the speculative rungs")
     p.add_argument("--draft_head", type=Path, default=None,
                    help=f"a draft head for the speculative rungs (default: {speculative.HEAD_NAME} beside the "
@@ -763,8 +786,8 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.tp is not None and (args.speculative or args.harness):
         refuse("--tp shards the ladder's rungs; --speculative and --harness run in one process")
-    if args.speculative and args.model:
-        refuse("--speculative measures acceptance, which needs real weights: give --checkpoint_path, not --model")
+    if args.speculative and args.model and args.temperatures != [0.0]:
+        refuse("--speculative with --model (random weights) measures greedy decoding only: leave out --temperatures")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
     if args.no_verify_cost and not args.speculative:

@@ -129,7 +129,9 @@ def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: 
     Embeddings and norms are shared, not copied. Under TP it is sharded as the model is, all-reduces
     included."""
     scheme = quantize.SCHEMES[mode].from_options(groupsize)
-    state = quantize.quantized_state_dict(model, scheme)
+    dtype = model.activation_dtype()  # as load_model reads a checkpoint's floats: in the model's precision
+    state = {name: t.to(dtype) if t.is_floating_point() else t
+             for name, t in quantize.quantized_state_dict(model, scheme).items()}
     quantized, _ = gen.empty_model(config, scheme, rank, world)
     gen.fill(quantized, state)
     quantize.pack_for_device(quantized, scheme)

@@ -175,6 +175,22 @@ def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     assert all(row["speedup"] > 0 and math.isfinite(row["decode_speedup"]) and row["prefill_s"] > 0 for row in lookup)
 
 
+def test_speculative_on_random_weights_measures_verify_steps_and_drafts_all_right(tmp_path):
+    """--speculative --model: the verify steps' cost and, on a random prompt, decoding whose drafts are the
+    plain run's own tokens ("foreseen"): in fp32 every verify step keeps all k of them."""
+    out = tmp_path / "speculative.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--speculative", "--model", "SmolLM2-135M",
+                          "--random-weights", "--device", "cpu", "--precision", "fp32", "--prompt_length", "8",
+                          "--max_new_tokens", "25", "--runs", "1", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=eager_everywhere(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["verify_cost"] for row in rows if "verify_cost" in row] == ["fp32", "int8", "int4 g32"]
+    [foreseen] = [row for row in rows if "drafter" in row]
+    assert (foreseen["drafter"], foreseen["prompt"]) == ("foreseen", "random")
+    assert foreseen["accepted_counts"] == [0] * 5 + [4] and foreseen["plain_steps"] == 0, foreseen
+
+
 def test_apart_ladder_runs_end_to_end(tmp_path):
     """--apart: a child process a compiled rung, each measured in every round, the rows in the table's order."""
     out = tmp_path / "ladder.json"
