@@ -188,13 +188,14 @@ def test_a_llama3_vocabulary_tokenizes_as_llama_cpp_and_its_own_tokenizer_do(lla
     convert.import_gguf(path, tmp_path / "out")
     ours = load_tokenizer(tmp_path / "out")
     original = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    llama_cpp = pytest.importorskip("llama_cpp")
-    theirs = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in TEXTS:
         assert ours.encode(text) == original.encode(text).ids, text
-        assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=True), text
         assert ours.decode(ours.encode(text)) == original.decode(original.encode(text).ids)  # specials left out
     assert (ours.bos_id, ours.eos_id, ours.add_bos) == (0, 2, True)
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer: pip install llama-cpp-python")
+    theirs = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=True), text
 
 
 @torch.no_grad()
@@ -202,12 +203,12 @@ def test_rope_scaling_from_rope_freqs_computes_what_llama_cpp_computes(llama3_fi
     """Llama 3.1's RoPE scaling, which a GGUF file holds as rope_freqs (what each frequency is divided by),
     comes back as the llama3 parameters that give those factors; the model's logits over a text past the
     original context then match llama.cpp's on the same file (without the scaling they would not)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     path, _ = llama3_file
     checkpoint = convert.import_gguf(path, tmp_path / "out")
     config = load_config(checkpoint)
     assert config.rope_scaling == dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                        original_max_position_embeddings=32)
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's logits: pip install llama-cpp-python")
     tokens = torch.randint(3, config.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
     theirs = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
                              type_k=0, type_v=0)  # an fp32 cache (GGML_TYPE_F32), as ours
