@@ -452,23 +452,20 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float
 
     meta, tensors = contents or read_gguf(gguf_path)
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    dim = meta["llama.embedding_length"]
-    head_dim = meta.get("llama.rope.dimension_count", dim // n_head)
-    rope_base = meta.get("llama.rope.freq_base", 10000.0)
     args = ModelArgs(
         block_size=meta["llama.context_length"],
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         n_layer=meta["llama.block_count"],
         n_head=n_head,
-        dim=dim,
+        dim=meta["llama.embedding_length"],
         intermediate_size=meta["llama.feed_forward_length"],
         n_local_heads=n_kv,
-        head_dim=head_dim,
-        rope_base=rope_base,
-        rope_scaling=gguf_rope_scaling(meta, tensors, head_dim, rope_base, gguf_path),
+        head_dim=meta.get("llama.rope.dimension_count"),
+        rope_base=meta.get("llama.rope.freq_base", 10000.0),
         norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
         tie_embeddings="output.weight" not in tensors,
     )
+    args.rope_scaling = gguf_rope_scaling(meta, tensors, args.rope_dim, args.rope_base, gguf_path)
 
     def dequantize(name: str, heads: int | None) -> torch.Tensor:
         t = tensors[name]
@@ -497,7 +494,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float
 ROPE_FREQS = "rope_freqs.weight"  # what each RoPE frequency is divided by (Llama 3.1's scaling, as llama.cpp holds it)
 
 
-def gguf_rope_scaling(meta: dict, tensors: dict, head_dim: int, base: float, gguf_path: Path) -> dict | None:
+def gguf_rope_scaling(meta: dict, tensors: dict, rope_dim: int, base: float, gguf_path: Path) -> dict | None:
     """Our rope_scaling for a GGUF file: linear from its metadata; Llama 3.1's "llama3" from its
     rope_freqs tensor, which llama.cpp's converter computes from those parameters (factor 1 for the high
     frequencies, `factor` for the low ones, a blend between). They are found again from it: `factor` is
@@ -509,11 +506,11 @@ def gguf_rope_scaling(meta: dict, tensors: dict, head_dim: int, base: float, ggu
     if ROPE_FREQS not in tensors:
         return None
     factors = torch.tensor(tensors[ROPE_FREQS].data, dtype=torch.float64).flatten()
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = 1.0 / base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     factor = float(factors.max())
     if len(factors) != len(inv_freq) or factor < 1:
         raise UserError(f"{gguf_path}: its {ROPE_FREQS} ({len(factors)} values, up to {factor:g}) are not a "
-                        f"RoPE scaling of its {head_dim // 2} frequencies this import takes")
+                        f"RoPE scaling of its {rope_dim // 2} frequencies this import takes")
     if factor == 1:
         return None
     between = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))

@@ -539,10 +539,11 @@ def speculative_main(args):
                 return gen.generate(model, prompt, new_tokens, temperature=temperature, speculate_k=args.speculate_k,
                                     steps=steps, **kw)
 
+            answer = run()  # the plain run, compiling its steps the first time
             ways = {"plain": {}, **drafts}
-            if temperature == 0:  # the plain run's answer, which compiles its steps too
-                ways["foreseen"] = dict(drafter=Foreseen(run().to(args.device)))
-            for kwargs in ways.values():
+            if temperature == 0:
+                ways["foreseen"] = dict(drafter=Foreseen(answer.to(args.device)))
+            for kwargs in list(ways.values())[1:]:
                 run(**kwargs)  # compiles, the first time
             # run by run, every way in turn: a shared machine's speed drifts between runs by more than
             # some drafters change it, and each run's ratio to the plain run beside it cancels the drift

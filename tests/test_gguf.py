@@ -140,7 +140,8 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_its_own_model_does(bundled_chec
     assert (ours.bos_id, ours.eos_id, ours.add_bos) == (1, 2, True)
 
 
-# Llama 3's tokenizer.json splits a text so before its byte-level BPE
+# Llama 3's tokenizer.json splits a text so before its byte-level BPE: written out here, apart from
+# convert.LLAMA3_SPLIT, as the reference the conversion is checked against
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXTS = ["Hello world", "  two  spaces,\ta tab\nand a line\n\n", "digits 1234567 and 3.14159", "I'M HERE, don't we'll",
