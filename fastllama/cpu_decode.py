@@ -25,10 +25,20 @@ a verify step's k + 1 rows cost less, and eval.py its model, for its scoring for
 loop above stays faster for one or two rows, so the plain weights stay too).
 
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
-model.py's own, so compiled decoding computes what eager decoding computes.
+model.py's own, so compiled decoding computes what eager decoding computes. One exception, tested
+against that math: on CPUs with AVX-512, the attention of a decode or verify step (up to ATTENTION_ROWS
+rows a key/value head) runs in a kernel of our own, cpu_attention.cpp, built at first use; it reads the
+cache as stored (an int8 cache's scales applied to finished dot products), skips the slots no row sees,
+and splits a head's positions between the threads, where the compiled form read the cache at about half
+the speed (benchmarks/RESULTS.md, "A decode attention kernel of our own"). Where it cannot be built, and
+for what it does not take (soft-capped scores, head_dim not a multiple of 16), the compiled form serves.
 """
 
+import functools
+import os
+import sys
 import types
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -116,6 +126,48 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
     if T == 1 or attention.softcap is not None or few_keys or few_rows:
         return "written"
     return "folded" if group > 1 and statically_known_true(T <= FOLDED_ATTENTION_POSITIONS) else "fused"
+
+
+# Decode attention's own kernel (cpu_attention.cpp), on CPUs with AVX-512, for the models apply() is given:
+# FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
+USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
+
+
+@functools.cache
+def attention_kernel():
+    """torch.ops.fastllama.decode_attention, built from cpu_attention.cpp at first use (PyTorch keeps the
+    build, in ~/.cache/torch_extensions, for the processes after), or None where it cannot be: a CPU without
+    AVX-512, no C++ compiler or ninja. The written-out form serves then, said in one line."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return None
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load("fastllama_cpu_attention", [str(Path(__file__).with_name("cpu_attention.cpp"))],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
+    except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
+        print(f"note: decode attention's CPU kernel could not be built ({str(e).splitlines()[0]}); "
+              "attention runs as compiled PyTorch", file=sys.stderr)
+        return None
+    torch.library.register_fake("fastllama::decode_attention")(
+        lambda q, k, v, k_scales, v_scales, mask, scale: q.new_empty(q.shape, dtype=torch.float32))
+    return torch.ops.fastllama.decode_attention
+
+
+def attend_cache(attention: Attention, q: Tensor, mask: Tensor) -> Tensor:
+    """Attention.attend_cache on CPU: through the kernel for up to ATTENTION_ROWS rows a key/value head (a
+    decode or verify step; the kernel reads the cache as stored and skips the slots no row sees), eager or
+    compiled alike; otherwise (soft-capped scores, prefill, no kernel) as model.py does it."""
+    B, nh, T, hd = q.shape
+    n_kv = attention.n_local_heads
+    rows = nh // n_kv * T
+    few = statically_known_true(rows <= ATTENTION_ROWS) if torch.compiler.is_compiling() else rows <= ATTENTION_ROWS
+    kernel = attention.kernel if few and attention.softcap is None and hd % 16 == 0 else None
+    if kernel is None:
+        return Attention.attend_cache(attention, q, mask)
+    cache = attention.kv_cache
+    scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
+    y = kernel(q.reshape(B, n_kv, rows, hd), cache.k_cache, cache.v_cache, *scales, mask, attention.scale)
+    return y.to(q.dtype).view(B, nh, T, hd)
 
 
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
@@ -248,10 +300,12 @@ def apply(model: Transformer):
     quantize.pack_for_device."""
     if next(model.parameters()).device.type != "cpu":
         return
+    kernel = attention_kernel() if USE_ATTENTION_KERNEL else None  # built here, not while compiled code is traced
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
             module.product, module.path = attention_product, types.MethodType(attention_path, module)
+            module.attend_cache, module.kernel = types.MethodType(attend_cache, module), kernel
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -114,11 +114,10 @@ class KVCache(nn.Module):
             self.register_buffer("k_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, n_read: int | None = None) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own; return the
-        first n_read slots of the caches (None: all), (B, n_kv, n_read, hd). A forward of B rows uses the
-        cache's first B (a server steps only as many as it runs). What lies in slots a row has not written
-        is masked by position (attention_mask) until it is overwritten."""
+    def write(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own. A forward of B
+        rows uses the cache's first B (a server steps only as many as it runs). What lies in slots a row
+        has not written is masked by position (attention_mask) until it is overwritten."""
         B = k.shape[0]
         rows = torch.arange(B, device=k.device).unsqueeze(1)  # (B, 1)
         slots = input_pos % self.k_cache.shape[2]
@@ -126,12 +125,18 @@ class KVCache(nn.Module):
         if store not in SCALED_KV_MAX:
             self.k_cache[rows, :, slots] = k.to(store)
             self.v_cache[rows, :, slots] = v.to(store)
-            return self.k_cache[:B, :, :n_read].to(self.dtype), self.v_cache[:B, :, :n_read].to(self.dtype)
+            return
         for cache, scales, x in ((self.k_cache, self.k_scales, k), (self.v_cache, self.v_scales, v)):
             scale = (x.float().abs().amax(-1, keepdim=True) / SCALED_KV_MAX[store]).clamp(min=1e-8)  # (B, T, n_kv, 1)
             levels = x.float() / scale
             cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
             scales[rows, :, slots] = scale.to(self.dtype)
+
+    def read(self, B: int, n_read: int) -> tuple[Tensor, Tensor]:
+        """The keys and values of the first B rows' first n_read slots, (B, n_kv, n_read, hd), in the model's
+        dtype (compiled code fuses the conversion into the loop that reads them)."""
+        if self.k_cache.dtype not in SCALED_KV_MAX:
+            return self.k_cache[:B, :, :n_read].to(self.dtype), self.v_cache[:B, :, :n_read].to(self.dtype)
         return tuple(cache[:B, :, :n_read].to(self.dtype) * scales[:B, :, :n_read]
                      for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
 
@@ -350,8 +355,8 @@ class Attention(nn.Module):
         q = apply_rope(self.normed_heads(self.q_norm, q, self.n_head), rope)  # (B, T, nh, hd)
         k = apply_rope(self.normed_heads(self.k_norm, k, self.n_local_heads), rope)  # (B, T, n_kv, hd)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
-        k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])  # (B, n_kv, n, hd)
-        y = self.attend(q.transpose(1, 2), k, v, mask)  # (B, nh, T, hd)
+        self.kv_cache.write(input_pos, k, v)
+        y = self.attend_cache(q.transpose(1, 2), mask)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
     def normed_heads(self, norm: nn.Module, x: Tensor, n_heads: int) -> Tensor:
@@ -369,6 +374,12 @@ class Attention(nn.Module):
         if T == 1 or self.softcap is not None:
             return "written"
         return "folded" if self.n_head > self.n_local_heads else "fused"
+
+    def attend_cache(self, q: Tensor, mask: Tensor) -> Tensor:
+        """attend() over the cache's first mask.shape[-1] slots (cpu_decode.py gives CPU models a kernel
+        that reads the cache as it is stored)."""
+        k, v = self.kv_cache.read(q.shape[0], mask.shape[-1])  # (B, n_kv, n, hd)
+        return self.attend(q, k, v, mask)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each

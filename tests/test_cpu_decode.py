@@ -6,15 +6,15 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 from fastllama import cpu_decode
-from fastllama.model import ModelArgs, Transformer
+from fastllama.model import Attention, KVCache, ModelArgs, Transformer, attention_mask
 
 # Each variant changes what a decode step computes. Add a row with every new one: compiled decoding
 # must follow it without a change of its own. The windows of 6 live in rings of 6 + CHUNK slots,
 # which the 22 positions below wrap.
 CHUNK = 4
-GQA = dict(n_head=4, n_local_heads=2)
+GQA = dict(n_head=4, n_local_heads=2, head_dim=16)  # a multiple of 16, which the attention kernel takes
 VARIANTS = {
-    "multi-head": dict(n_head=4, n_local_heads=4),
+    "multi-head": dict(n_head=4, n_local_heads=4, head_dim=16),
     "grouped-query, head_dim != dim / n_head": dict(GQA, head_dim=24),
     "Qwen2: q/k/v biases, one sliding layer": dict(GQA, qkv_bias=True, sliding_window=6, sliding_layers=[1]),
     "Qwen3: q/k norms": dict(GQA, head_dim=24, qk_norm=True),
@@ -43,12 +43,19 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+needs_kernel = pytest.mark.skipif(cpu_decode.attention_kernel() is None,
+                                  reason="decode attention's kernel needs AVX-512 and a C++ compiler")
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
 @pytest.mark.parametrize("slots", [64, None])
 @pytest.mark.parametrize("variant", VARIANTS)
 @torch.no_grad()
-def test_compiled_cpu_decode_equals_a_full_forward(variant, slots):
+def test_compiled_cpu_decode_equals_a_full_forward(variant, slots, kernel, monkeypatch):
     """slots: the full caches' slots a step reads, whole blocks of VALUE_BLOCK (as decode.key_positions
-    reads them: values_product), or None, all 65 (the values through rows_product)."""
+    reads them: values_product), or None, all 65 (the values through rows_product). kernel: attention
+    through cpu_attention.cpp's kernel where it takes the shape, or the compiled form alone."""
+    monkeypatch.setattr(cpu_decode, "USE_ATTENTION_KERNEL", kernel)
     torch.manual_seed(0)
     args = dict(VARIANTS[variant])
     kv_cache_dtype = args.pop("kv_cache_dtype", None)
@@ -81,6 +88,8 @@ def test_compiled_cpu_decode_equals_a_full_forward(variant, slots):
     # F.linear: the fused one-row form is for one row, and these are two)
     assert len(graphs) == 1
     assert not any(op in graphs[0].code for op in ("matmul", "bmm", "scaled_dot_product")), graphs[0].code
+    takes = model.config.head_dim % 16 == 0 and model.config.attention_softcap is None
+    assert ("decode_attention" in graphs[0].code) == (kernel and takes)
 
 
 @pytest.mark.parametrize("slow_bf16", [True, False])
@@ -153,3 +162,33 @@ def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
     assert linear.packed is not first
     x = torch.randn(1, cpu_decode.FEW_ROWS, 64).bfloat16()
     torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("store", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("B, n_kv, group, T, hd", [(1, 3, 3, 1, 64), (3, 2, 1, 1, 128), (2, 1, 4, 3, 80),
+                                                   (2, 2, 8, 2, 16)])
+@torch.no_grad()
+def test_the_attention_kernel_computes_the_written_out_form(store, B, n_kv, group, T, hd):
+    """cpu_attention.cpp's kernel against model.py's own attention over the same cache (fp32 model, a cache
+    of each format), for rows at their own depths under a sliding window, T positions a row, group query
+    heads a key/value head; and slots that no row sees are never read into the result (stale or NaN)."""
+    torch.manual_seed(0)
+    length, S = 700, 600  # S slots read: past the 256 positions of the kernel's chunks, not a multiple of them
+    attention = Attention(ModelArgs(n_head=n_kv * group, n_local_heads=n_kv, head_dim=hd, dim=64))
+    attention.kv_cache = KVCache(B + 1, length, n_kv, hd, torch.float32, store_dtype=store)
+    positions = torch.arange(length).expand(B, -1)
+    attention.kv_cache.write(positions, *(torch.randn(B, length, n_kv, hd) for _ in "kv"))
+    depth = torch.tensor([599, 300, 17])[:B, None] - torch.arange(T).flip(0)  # (B, T): each row's own positions
+    mask = attention_mask(depth, positions[:, :S], window=250)
+    q = torch.randn(B, n_kv * group, T, hd)
+    expected = Attention.attend_cache(attention, q, mask)
+    attention.kernel = cpu_decode.attention_kernel()
+    ours = cpu_decode.attend_cache(attention, q, mask)
+    assert relative_error(ours, expected) <= 1e-5
+    if store.is_floating_point and store.itemsize > 1:  # a NaN to write; the last row's slots past the rows it reads too
+        unseen = ~mask.any(2)[:, 0]  # (B, S)
+        for cache in (attention.kv_cache.k_cache, attention.kv_cache.v_cache):
+            cache[:B, :, :S][unseen[:, None].expand(-1, n_kv, -1)] = float("nan")
+        cache[B:] = float("nan")
+        assert torch.equal(cpu_decode.attend_cache(attention, q, mask), ours)

@@ -69,6 +69,31 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
     assert len(graphs) == 1
 
 
+@pytest.mark.skipif(cpu_decode.attention_kernel() is None, reason="the attention kernel needs AVX-512 and a C++ compiler")
+@torch.no_grad()
+def test_through_the_attention_kernel_a_step_past_4096_positions_compiles_no_second_graph():
+    """Inductor's CPU code sums more than 4096 elements in another form, behind a guard on the length, so
+    the compiled form's softmax over the positions compiled a second graph for a generation that crossed
+    4096; in the kernel (head_dim a multiple of 16) no sum over the positions is left to the graph."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**dict(CONFIG, block_size=4700, head_dim=16))).eval()
+    model.setup_caches(1, 4700)
+    cpu_decode.apply(model)
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(decode.decode_one_token, backend=inductor, fullgraph=True, dynamic=False)
+    x = torch.tensor([[3]])
+    for depth in (300, 4500):
+        pos = torch.tensor([[depth]])
+        assert torch.equal(step(model, x, pos, decode.key_positions(model, depth + 1)), model(x, pos).argmax(-1))
+    assert len(graphs) == 1
+
+
 def test_caches_are_sized_in_whole_blocks_up_to_the_context():
     """So that every read of a cache is whole blocks of KV_BLOCK (a part block read slowly on a GPU)."""
     assert [decode.padded_length(n, 8192) for n in (1, 256, 257, 8000)] == [256, 256, 512, 8192]
@@ -83,7 +108,8 @@ def test_scaled_kv_formats_read_back_within_their_rounding(store, bound):
     cache = KVCache(2, 16, 3, 64, torch.float32, store_dtype=store)
     k, v = torch.randn(2, 5, 3, 64) * torch.rand(2, 5, 3, 1) * 10, torch.randn(2, 5, 3, 64)
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
-    k_read, v_read = cache.update(pos, k, v)
+    cache.write(pos, k, v)
+    k_read, v_read = cache.read(2, 16)
     for x, read in ((k, k_read), (v, v_read)):
         written = read[torch.arange(2)[:, None], :, pos]  # (B, T, n_kv, hd)
         scale = x.abs().amax(-1, keepdim=True)

@@ -1,0 +1,299 @@
+// Decode attention on CPUs with AVX-512, over the KV cache as it is stored (bf16, fp16, fp32, or int8/fp8 with
+// a scale per token and head): softmax(q k^T * scale, where mask) v for the few query rows that share a
+// key/value head. cpu_decode.py builds it at first use and calls it where compiled PyTorch reads the cache
+// slower (benchmarks/RESULTS.md, "A decode attention kernel of our own"); the compiled form is its fallback.
+//
+// What the compiled form cannot do: keep a tile of rows x keys in registers, so that each key is converted
+// once for all the rows of its group and dot products are summed across lanes four at a time (inductor
+// reduces each key once per row, a horizontal sum apiece); apply an int8 cache's scales to finished dot
+// products; skip the keys no row sees (past a row's length, outside a window) without reading them; and
+// split one head's positions into chunks, each with its own running softmax, so that both threads share
+// even a single key/value head.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 256;  // positions a task reads: one KV block of decode.py
+constexpr int ROWS = 4;         // query rows that one pass over a chunk's keys and values serves
+constexpr int64_t AHEAD = 16;  // positions ahead of the one being read that are fetched (prefetch_row)
+constexpr int KEYS = 4;         // keys whose dot products are computed, and summed across lanes, together
+constexpr float INF = std::numeric_limits<float>::infinity();
+
+// 16 elements of a cache row, as fp32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {  // through a table of all 256 values
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; i++) t[i] = float(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  const __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_i32gather_ps(bits, table.data(), 4);
+}
+
+// the sums of each of a0 .. a3's 16 lanes: pairs of vectors interleaved and added, so that the lanes are
+// added to each other once for all four (a horizontal sum apiece costs about three times the instructions)
+inline __m128 sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512d t01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+  const __m512d t23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+  // each 128-bit lane now holds its part of the four sums, in order
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01, t23)), _mm512_castpd_ps(_mm512_unpackhi_pd(t01, t23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// exp(x) for x <= 0, 16 at a time: 2^n times a polynomial over the rest (within 2 ulp); 0 below -87 (and
+// for -inf, a masked score)
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n);
+}
+
+// the cache lines of the row `ahead` positions on, fetched while this one is worked on: the hardware's own
+// prefetching falls behind a loop that computes this much a row
+template <typename Element>
+inline void prefetch_row(const Element* row, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * int64_t(sizeof(Element)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+
+// What a task shares with the rest: which positions a step position sees, and its scores.
+struct Chunk {
+  const bool* mask;  // the row's mask (1, T, S) and its strides
+  int64_t mask_t, mask_s, T, s0, n;  // n positions from s0
+  const float* q;    // the rows (R, hd)
+  int64_t hd;
+  float* scores;     // (R, CHUNK)
+  float* max;        // (R)
+
+  bool sees(int64_t t, int64_t i) const { return i < n && mask[t * mask_t + (s0 + i) * mask_s]; }
+  bool anyone_sees(int64_t i) const {
+    for (int64_t t = 0; t < T; t++)
+      if (sees(t, i)) return true;
+    return false;
+  }
+};
+
+// Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (key_scales: a scale a position, or none), and
+// their largest. Row r is query head r / T of the group at the step's position r % T.
+template <int Rows, typename Element>
+void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const float* key_scales, float scale) {
+  float best[Rows];
+  for (int r = 0; r < Rows; r++) best[r] = c.max[r0 + r];
+  for (int64_t i0 = 0; i0 < c.n; i0 += KEYS) {
+    uint64_t seen = 0;  // bit t * KEYS + j: step position t sees key i0 + j
+    for (int64_t t = 0; t < c.T; t++)
+      for (int j = 0; j < KEYS; j++) seen |= uint64_t(c.sees(t, i0 + j)) << (t * KEYS + j);
+    if (!seen) {  // keys no row sees are never read
+      for (int r = 0; r < Rows; r++) std::fill_n(c.scores + (r0 + r) * CHUNK + i0, KEYS, -INF);
+      continue;
+    }
+    const Element* key[KEYS];
+    alignas(16) float factor[KEYS];
+    for (int j = 0; j < KEYS; j++) {
+      const int64_t s = c.s0 + std::min(i0 + j, c.n - 1);  // past the chunk: its last key again, masked below
+      key[j] = keys + s * key_stride;
+      if (i0 + j + AHEAD < c.n) prefetch_row(key[j] + AHEAD * key_stride, c.hd);
+      factor[j] = scale * (key_scales ? key_scales[s] : 1.f);
+    }
+    __m512 acc[Rows][KEYS];
+    for (int r = 0; r < Rows; r++)
+      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < c.hd; d += 16) {
+      __m512 kd[KEYS];
+      for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
+      for (int r = 0; r < Rows; r++) {
+        const __m512 qd = _mm512_loadu_ps(c.q + (r0 + r) * c.hd + d);
+        for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_fmadd_ps(qd, kd[j], acc[r][j]);
+      }
+    }
+    const __m128 factors = _mm_load_ps(factor);
+    for (int r = 0; r < Rows; r++) {
+      const __mmask8 sees = (seen >> ((r0 + r) % c.T * KEYS)) & 0xf;
+      const __m128 row = _mm_mask_blend_ps(sees, _mm_set1_ps(-INF), _mm_mul_ps(sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), factors));
+      _mm_storeu_ps(c.scores + (r0 + r) * CHUNK + i0, row);
+      const __m128 m = _mm_max_ps(row, _mm_movehl_ps(row, row));
+      best[r] = std::max(best[r], _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+    }
+  }
+  for (int r = 0; r < Rows; r++) c.max[r0 + r] = best[r];
+}
+
+// Rows r0 .. r0 + Rows - 1's weighted sums of the chunk's values, in elements d0 .. d0 + 16 * Width - 1, kept
+// in registers over all the positions: each value read once for those rows. weights: (R, CHUNK).
+template <int Rows, int Width, typename Element>
+void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, const Element* values,
+                  int64_t value_stride, const float* value_scales, float* out) {
+  __m512 acc[Rows][Width];
+  for (int r = 0; r < Rows; r++)
+    for (int x = 0; x < Width; x++) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < c.n; i++) {
+    float w[Rows];
+    bool any = false;
+    for (int r = 0; r < Rows; r++) any |= (w[r] = weights[(r0 + r) * CHUNK + i]) != 0.f;
+    if (!any) continue;  // masked for every row: not read
+    const Element* value = values + (c.s0 + i) * value_stride + d0;
+    if (i + AHEAD < c.n) prefetch_row(value + AHEAD * value_stride, 16 * Width);
+    const float factor = value_scales ? value_scales[c.s0 + i] : 1.f;
+    __m512 vd[Width];
+    for (int x = 0; x < Width; x++) vd[x] = load16(value + 16 * x);
+    for (int r = 0; r < Rows; r++) {
+      const __m512 wr = _mm512_set1_ps(w[r] * factor);
+      for (int x = 0; x < Width; x++) acc[r][x] = _mm512_fmadd_ps(wr, vd[x], acc[r][x]);
+    }
+  }
+  for (int r = 0; r < Rows; r++)
+    for (int x = 0; x < Width; x++) _mm512_storeu_ps(out + (r0 + r) * c.hd + d0 + 16 * x, acc[r][x]);
+}
+
+template <int Rows, typename Element>
+void weigh_all_values(const Chunk& c, int64_t r0, const float* weights, const Element* values, int64_t value_stride,
+                      const float* value_scales, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= c.hd; d0 += 64) weigh_values<Rows, 4>(c, r0, d0, weights, values, value_stride, value_scales, out);
+  switch ((c.hd - d0) / 16) {
+    case 1: weigh_values<Rows, 1>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
+    case 2: weigh_values<Rows, 2>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
+    case 3: weigh_values<Rows, 3>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
+  }
+}
+
+// a template's instance for the rows left (at most ROWS), the count a constant so that the tiles stay in registers
+#define FOR_ROWS(rows, call)              \
+  switch (rows) {                         \
+    case 1: call(1); break;               \
+    case 2: call(2); break;               \
+    case 3: call(3); break;               \
+    default: call(4); break;              \
+  }
+
+template <typename Element>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scales,
+            const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), hd = q.size(3), T = mask.size(2), S = mask.size(3);
+  const int64_t chunks = (S + CHUNK - 1) / CHUNK, tasks = B * H * chunks;
+  // scales in fp32, (B, H, S) contiguous: S numbers a head, beside S rows of hd elements
+  at::Tensor kscale, vscale;
+  if (k_scales) {
+    kscale = k_scales->narrow(0, 0, B).narrow(2, 0, S).squeeze(-1).to(at::kFloat).contiguous();
+    vscale = v_scales->narrow(0, 0, B).narrow(2, 0, S).squeeze(-1).to(at::kFloat).contiguous();
+  }
+  // what each task leaves for each row: the largest score of its chunk, the sum of exp(score - max) and
+  // the values weighed by exp(score - max); the chunks are merged afterwards
+  std::vector<float> maxes(tasks * R, -INF), sums(tasks * R), accs(tasks * R * hd);
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(R * CHUNK);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t b = task / (H * chunks), h = task / chunks % H, s0 = task % chunks * CHUNK;
+      const Chunk c{mask.data_ptr<bool>() + b * mask.stride(0), mask.stride(2), mask.stride(3), T, s0,
+                    std::min(CHUNK, S - s0), q.data_ptr<float>() + (b * H + h) * R * hd, hd, scores.data(),
+                    maxes.data() + task * R};
+      const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
+      const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
+      const float* key_scales = k_scales ? kscale.data_ptr<float>() + (b * H + h) * S : nullptr;
+      const float* value_scales = k_scales ? vscale.data_ptr<float>() + (b * H + h) * S : nullptr;
+      for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
+#define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), key_scales, scale)
+        FOR_ROWS(R - r0, SCORE)
+#undef SCORE
+      }
+      for (int64_t r = 0; r < R; r++) {  // scores -> exp(score - max), 0 past the chunk's positions
+        float* row = scores.data() + r * CHUNK;
+        const __m512 max = _mm512_set1_ps(c.max[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < CHUNK; i += 16) {
+          const __mmask16 in = i + 16 <= c.n ? 0xffff : i < c.n ? (1u << (c.n - i)) - 1 : 0;
+          const __m512 e = c.max[r] == -INF ? _mm512_setzero_ps()
+                                            : exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + i), max));
+          const __m512 p = _mm512_maskz_mov_ps(in, e);
+          _mm512_storeu_ps(row + i, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        sums[task * R + r] = _mm512_reduce_add_ps(sum);
+      }
+      for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
+#define WEIGH(n) weigh_all_values<n>(c, r0, scores.data(), values, v.stride(2), value_scales, accs.data() + task * R * hd)
+        FOR_ROWS(R - r0, WEIGH)
+#undef WEIGH
+      }
+    }
+  });
+
+  // each row's chunks merged, rescaled to the largest max of all; a row that sees no key gets zeros
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; row++) {
+      const int64_t bh = row / R, r = row % R;
+      float m = -INF, sum = 0.f;
+      for (int64_t c = 0; c < chunks; c++) m = std::max(m, maxes[(bh * chunks + c) * R + r]);
+      float* out_row = o + row * hd;
+      std::fill_n(out_row, hd, 0.f);
+      if (m == -INF) continue;
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t at = (bh * chunks + c) * R + r;
+        if (maxes[at] == -INF) continue;
+        const float w = std::exp(maxes[at] - m);
+        sum += w * sums[at];
+        for (int64_t d = 0; d < hd; d++) out_row[d] += w * accs[at * hd + d];
+      }
+      for (int64_t d = 0; d < hd; d++) out_row[d] /= sum;
+    }
+  });
+}
+
+// q (B, H, R, hd): the query rows of each of H key/value heads; k, v (>= B, H, >= S, hd) the caches, of which
+// the first B rows and S slots are read; k_scales, v_scales (>= B, H, >= S, 1) for int8 and fp8 caches;
+// mask (B, 1, T, S), R a multiple of T, T <= 16, hd a multiple of 16. Returns (B, H, R, hd) in fp32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && mask.dim() == 4 && mask.scalar_type() == at::kBool,
+              "decode_attention: q (B, H, R, hd), caches (B, H, S, hd), a bool mask (B, 1, T, S)");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.scalar_type() == v.scalar_type() && q.size(3) % 16 == 0,
+              "decode_attention: caches of one dtype, each row contiguous, hd a multiple of 16");
+  TORCH_CHECK(q.size(2) % mask.size(2) == 0 && mask.size(2) <= 16 && k.size(2) >= mask.size(3) && k_scales.has_value() == v_scales.has_value(),
+              "decode_attention: shapes disagree");
+  at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(qf.sizes(), qf.options());
+  const float s = float(scale);
+  switch (k.scalar_type()) {
+    case at::kFloat: attend<float>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kBFloat16: attend<at::BFloat16>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kHalf: attend<at::Half>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kChar: attend<int8_t>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kFloat8_e4m3fn: attend<c10::Float8_e4m3fn>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    default: TORCH_CHECK(false, "decode_attention: no kernel for a cache of ", k.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastllama, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scales, Tensor? v_scales, Tensor mask, float scale)"
+        " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastllama, CPU, m) { m.impl("decode_attention", &decode_attention); }
