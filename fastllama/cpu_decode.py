@@ -137,7 +137,7 @@ USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
 def attention_kernel():
     """torch.ops.fastllama.decode_attention, built from cpu_attention.cpp at first use (PyTorch keeps the
     build, in ~/.cache/torch_extensions, for the processes after), or None where it cannot be: a CPU without
-    AVX-512, no C++ compiler or ninja. The written-out form serves then, said in one line."""
+    AVX-512, no C++ compiler or ninja. The compiled form serves then, said in one line."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         return None
     try:
@@ -145,7 +145,8 @@ def attention_kernel():
         cpp_extension.load("fastllama_cpu_attention", [str(Path(__file__).with_name("cpu_attention.cpp"))],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
     except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
-        print(f"note: decode attention's CPU kernel could not be built ({str(e).splitlines()[0]}); "
+        said = (str(e).splitlines() or [type(e).__name__])[0]
+        print(f"note: decode attention's CPU kernel could not be built ({said}); "
               "attention runs as compiled PyTorch", file=sys.stderr)
         return None
     torch.library.register_fake("fastllama::decode_attention")(

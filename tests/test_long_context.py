@@ -23,6 +23,20 @@ def filled_model(depths: list[int], **overrides) -> tuple[Transformer, torch.Ten
     return model, ids
 
 
+def counted_decode_step(model: Transformer):
+    """The model's decode step on CPU, compiled as generate() compiles it (fullgraph, fixed shapes), and the
+    list each graph it compiles is appended to."""
+    cpu_decode.apply(model)
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    return torch.compile(decode.decode_one_token, backend=inductor, fullgraph=True, dynamic=False), graphs
+
+
 @pytest.mark.parametrize("depth", [1, 63, 64, 65, 150])
 @pytest.mark.parametrize("kv_cache_dtype", [None, torch.int8])
 @torch.no_grad()
@@ -49,15 +63,7 @@ def test_reading_the_filled_slots_equals_reading_the_whole_cache(depth, kv_cache
 @torch.no_grad()
 def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(monkeypatch):
     model, _ = filled_model([300, 20])
-    cpu_decode.apply(model)
-    torch._dynamo.reset()
-    graphs = []
-
-    def inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    step = torch.compile(decode.decode_one_token, backend=inductor, fullgraph=True, dynamic=False)
+    step, graphs = counted_decode_step(model)
     x = torch.tensor([[3], [4]])
     # depths in three blocks, up to the whole cache (400 slots: the block at 300 is cut to them)
     for depth in (20, 300, 399, 260):
@@ -78,15 +84,7 @@ def test_through_the_attention_kernel_a_step_past_4096_positions_compiles_no_sec
     torch.manual_seed(0)
     model = Transformer(ModelArgs(**dict(CONFIG, block_size=4700, head_dim=16))).eval()
     model.setup_caches(1, 4700)
-    cpu_decode.apply(model)
-    torch._dynamo.reset()
-    graphs = []
-
-    def inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    step = torch.compile(decode.decode_one_token, backend=inductor, fullgraph=True, dynamic=False)
+    step, graphs = counted_decode_step(model)
     x = torch.tensor([[3]])
     for depth in (300, 4500):
         pos = torch.tensor([[depth]])
