@@ -32,6 +32,8 @@ cache as stored (an int8 cache's scales applied to finished dot products), skips
 and splits a head's positions between the threads, where the compiled form read the cache at about half
 the speed (benchmarks/RESULTS.md, "A decode attention kernel of our own"). Where it cannot be built, and
 for what it does not take (soft-capped scores, head_dim not a multiple of 16), the compiled form serves.
+int4 weights have a kernel of their own likewise (cpu_int4.cpp, built by int4_kernel() below), which
+quantize.py chooses at load.
 """
 
 import functools
@@ -131,27 +133,57 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # Decode attention's own kernel (cpu_attention.cpp), on CPUs with AVX-512, for the models apply() is given:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
+# ... and int4 products' (cpu_int4.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves PyTorch's
+USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
+
+
+def built(name: str, what: str) -> bool:
+    """Whether the kernels of fastllama/{name}.cpp are built and registered (torch.ops.fastllama): at first
+    use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs with
+    AVX-512. Where one cannot be built (another CPU, no C++ compiler or ninja) the compiled form of `what`
+    serves, said in one line."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return False
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load(f"fastllama_{name}", [str(Path(__file__).with_name(f"{name}.cpp"))],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
+    except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
+        said = (str(e).splitlines() or [type(e).__name__])[0]
+        print(f"note: the CPU kernel for {what} could not be built ({said}); it runs as compiled PyTorch",
+              file=sys.stderr)
+        return False
+    return True
 
 
 @functools.cache
 def attention_kernel():
-    """torch.ops.fastllama.decode_attention, built from cpu_attention.cpp at first use (PyTorch keeps the
-    build, in ~/.cache/torch_extensions, for the processes after), or None where it cannot be: a CPU without
-    AVX-512, no C++ compiler or ninja. The compiled form serves then, said in one line."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-        return None
-    try:
-        from torch.utils import cpp_extension
-        cpp_extension.load("fastllama_cpu_attention", [str(Path(__file__).with_name("cpu_attention.cpp"))],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
-    except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
-        said = (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"note: decode attention's CPU kernel could not be built ({said}); "
-              "attention runs as compiled PyTorch", file=sys.stderr)
+    """torch.ops.fastllama.decode_attention from cpu_attention.cpp, or None where it cannot be built."""
+    if not built("cpu_attention", "decode attention"):
         return None
     torch.library.register_fake("fastllama::decode_attention")(
         lambda q, k, v, k_scales, v_scales, mask, scale: q.new_empty(q.shape, dtype=torch.float32))
     return torch.ops.fastllama.decode_attention
+
+
+@functools.cache
+def int4_kernel():
+    """torch.ops.fastllama.int4_rows from cpu_int4.cpp (CPUs with AVX-512 BF16), or None where it cannot be
+    built (quantize.int4_kernel then chooses PyTorch's)."""
+    if not USE_INT4_KERNEL or "avx512_bf16" not in cpu_flags() or not built("cpu_int4", "int4 products"):
+        return None
+    torch.library.register_fake("fastllama::int4_rows")(
+        lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
+    return torch.ops.fastllama.int4_rows
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (none elsewhere)."""
+    try:
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
 
 
 def attend_cache(attention: Attention, q: Tensor, mask: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from .checkpoint import (Group, Spec, copy_companions, load_config, read_metadata, resolve_checkpoint, resolve_output,
                         single, write_safetensors)
+from . import cpu_decode
 from .cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from .errors import UserError, run_cli
 from .model import KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
@@ -163,7 +164,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cuda", "cpu", or "dequantize" once packed
+        self.kernel = None  # "cuda", "cpu-avx512", "cpu" or "dequantize" once packed
 
     def pack(self, kernel: str):
         """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
@@ -193,7 +194,9 @@ class Int4Linear(nn.Module):
 
 def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     """The neutral layout, (n, k/2) packed levels and (n, k/groupsize) scales and mins, in `kernel`'s:
-    tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2)."""
+    tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2), or cpu_int4.cpp's (below)."""
+    if kernel == "cpu-avx512":
+        return int4_rows_layout(weight, scales, mins)
     # tinygemm dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale
     zeros = mins.float() + 8 * scales.float()
     scales_and_zeros = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16()
@@ -207,10 +210,37 @@ def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor
     return weight, scales_and_zeros
 
 
+def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
+    """cpu_int4.cpp's layout. Outputs in tiles of 16, and tiles in groups of 4 (the last may have fewer),
+    each group one stream of bytes: for each block of 32 inputs, for each of its tiles, 256 bytes, 8 chunks
+    of 32, chunk c holding the levels of the block's input pairs 2c (low nibbles) and 2c + 1 (high): byte
+    2i + e is output i's at input e of each pair (a vector of one pair's 16 x 2 levels, as vdpbf16ps pairs
+    them). Scales and mins likewise, a tile's 16 scales then its 16 mins for each block (a group of more
+    inputs repeats its own), in their own dtype (bf16, or a GGUF's fp16; others in bf16)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    # a group's levels take the bytes its 64 rows took: rewritten in place (no memory to speak of)
+    for r in range(0, n, 64):
+        rows = weight[r: r + 64]
+        q = unpack_int4(rows).view(-1, 16, k // 32, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)  # (t, b, c, lo/hi, i, e)
+        levels = (q[:, :, :, 0] | q[:, :, :, 1] << 4).reshape(-1, k // 32, 256)  # (tiles, blocks, 256)
+        rows.copy_(levels.transpose(0, 1).reshape(rows.shape))  # block by block
+
+    def blocks(a: Tensor) -> Tensor:  # (n, groups) -> (n/16 tiles, k/32 blocks, 16)
+        a = a if a.dtype in (torch.float16, torch.bfloat16) else a.bfloat16()  # as PyTorch's int4 kernels round them
+        return a.repeat_interleave(k // a.shape[1] // 32, dim=1).view(n // 16, 16, k // 32).transpose(1, 2)
+
+    sm = torch.stack([blocks(scales), blocks(mins)], dim=2)  # (tiles, blocks, 2, 16)
+    sm = torch.cat([sm[t: t + 4].transpose(0, 1).reshape(-1) for t in range(0, n // 16, 4)])  # block by block
+    # shaped as the kernel checks them; the bytes in the order above
+    return weight.view(n // 16, k // 32, 256), sm.view(n // 16, k // 32, 2, 16)
+
+
 def int4_matmul(kernel: str, x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
-    """x (m, k) times a weight packed for `kernel`, in bf16."""
+    """x (m, k) times a weight packed for `kernel`: bf16 (cpu-avx512: fp32)."""
     if kernel == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x.bfloat16(), weight, groupsize, scales_and_zeros)
+    if kernel == "cpu-avx512":
+        return torch.ops.fastllama.int4_rows(x.bfloat16(), weight, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight, groupsize, scales_and_zeros)
 
 
@@ -295,10 +325,14 @@ def int8_kernel(device: torch.device) -> str:
 
 
 def int4_kernel(device: torch.device, out_features: int) -> str:
-    """Which int4 kernel this device and shape can use; "dequantize" where none can."""
+    """Which int4 kernel this device and shape can use; "dequantize" where none can. On CPUs with AVX-512
+    BF16, cpu_int4.cpp's: against PyTorch's, 1.9x at many rows (prefill), 1.5x at six, even at one
+    (benchmarks/RESULTS.md, "Int4 products of our own on CPU")."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0
         return "cuda" if ok else "dequantize"
+    if device.type == "cpu" and out_features % 16 == 0 and cpu_decode.int4_kernel() is not None:
+        return "cpu-avx512"
     if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "cpu" if out_features % 16 == 0 else "dequantize"
     return "dequantize"

@@ -674,6 +674,7 @@ def write_record(args, **results):
     record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   cpu_attention_kernel=cpu_decode.USE_ATTENTION_KERNEL,  # FASTLLAMA_ATTENTION_KERNEL=0: off
+                  cpu_int4_kernel=cpu_decode.USE_INT4_KERNEL,  # FASTLLAMA_INT4_KERNEL=0: off
                   hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
                   **results, args=vars(args))
     write_json(Path(args.json), record)

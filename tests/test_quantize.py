@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from fastllama import quantize
+from fastllama import cpu_decode, quantize
 from fastllama.checkpoint import (CHECKPOINT_NAME, CONFIG_NAME, copy_companions, load_config, read_metadata, read_safetensors,
                         single, write_safetensors)
 from fastllama.errors import UserError
@@ -128,12 +128,14 @@ def test_quantize_int8_error_and_range():
 
 def int4_cases():
     cases = []
-    for kernel in ("cpu", "dequantize"):
+    ours = pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+    for kernel in ("cpu", "cpu-avx512", "dequantize"):
         for g in GROUPSIZES:
             # k a multiple of g; k = 576 (SmolLM2's dim: a multiple of 32 and 64, padded for 128, 256);
             # k = 592, a multiple of none. The CPU kernel takes n in multiples of 16 only.
-            for n, k in [(96, 2 * g), (64, 576), (112 if kernel == "cpu" else 200, 592)]:
-                cases.append(pytest.param(kernel, g, n, k, id=f"{kernel}-g{g}-n{n}-k{k}"))
+            for n, k in [(96, 2 * g), (64, 576), (200 if kernel == "dequantize" else 112, 592)]:
+                cases.append(pytest.param(kernel, g, n, k, id=f"{kernel}-g{g}-n{n}-k{k}",
+                                          marks=[ours] if kernel == "cpu-avx512" else []))
     return cases
 
 
@@ -152,12 +154,43 @@ def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tenso
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
     m.pack(kernel)
-    for M in (1, 3):
+    for M in (1, 3, 6):  # cpu_int4.cpp: 6 rows in two passes over the weight, of 4 rows and 2
         x = torch.randn(1, M, k).bfloat16()
         with torch.no_grad():
             y = m(x)
         assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
         assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
+
+
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
+    """cpu_int4.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
+    as PyTorch's int4 kernels take them: its products are the dequantized weight's to fp32's precision."""
+    n, k, g = 64, 256, 32
+    m = Int4Linear(k, n, g, dtype=dtype)
+    m.weight.copy_(pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)))
+    m.scales.copy_(torch.rand(n, k // g) / 64 + 1 / 256)  # fp16 scales that bf16 does not hold
+    m.mins.copy_(-8 * m.scales.float() + torch.randn(n, k // g) / 1000)
+    w_ref = dequantize_int4(m.weight, m.scales, m.mins)
+    m.pack("cpu-avx512")
+    x = torch.randn(5, k).bfloat16()
+    with torch.no_grad():
+        y = quantize.int4_matmul(m.kernel, x, m.weight, g, m.scales_and_zeros)
+    assert rel_err(y, F.linear(x.float(), w_ref)) < 1e-5
+
+
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+def test_the_int4_kernel_of_our_own_gives_a_row_the_same_numbers_alone_and_in_a_batch():
+    """Its passes take 1 to 4 rows; each row's sums are added in one order whatever the others, so that a
+    prompt decodes to the same tokens alone and in a batch (generate's promise in fp32)."""
+    m, _ = int4_module(64, 576, 32)
+    m.pack("cpu-avx512")
+    x = torch.randn(7, 576).bfloat16()
+    with torch.no_grad():
+        batch = quantize.int4_matmul(m.kernel, x, m.weight, 32, m.scales_and_zeros)
+        for n in range(1, 4):
+            assert torch.equal(quantize.int4_matmul(m.kernel, x[:n], m.weight, 32, m.scales_and_zeros), batch[:n])
 
 
 def test_int4_kernel_choice_packs_any_out_features():
@@ -323,7 +356,7 @@ def test_int4_checkpoint_end_to_end(int4_file, prompt_ids, reference):
     assert type(model.output) is Int8Linear  # the head is int8 in every mode
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(int4) == 4 * model.config.n_layer
-    assert all(m.groupsize == 32 and m.kernel == "cpu" for m in int4)  # packed for the CPU kernel
+    assert all(m.groupsize == 32 and m.kernel in ("cpu", "cpu-avx512") for m in int4)  # packed for a CPU kernel
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     # measured 0.9999 and 0.9994, closer than int8: the bundled weights come from a Q4_1 GGUF
     # (asymmetric 4-bit in groups of 32), which int4 g32 nearly reproduces
