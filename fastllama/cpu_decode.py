@@ -140,7 +140,7 @@ USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
 def built(name: str, what: str) -> bool:
     """Whether the kernels of fastllama/{name}.cpp are built and registered (torch.ops.fastllama): at first
     use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs with
-    AVX-512. Where one cannot be built (another CPU, no C++ compiler or ninja) the compiled form of `what`
+    AVX-512. Where one cannot be built (another CPU, no C++ compiler or ninja), PyTorch's own form of `what`
     serves, said in one line."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         return False
@@ -150,7 +150,7 @@ def built(name: str, what: str) -> bool:
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
     except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
         said = (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"note: the CPU kernel for {what} could not be built ({said}); it runs as compiled PyTorch",
+        print(f"note: the CPU kernel for {what} could not be built ({said}); PyTorch's own form runs instead",
               file=sys.stderr)
         return False
     return True
