@@ -293,15 +293,19 @@ class Scheduler:
                     fail(request, e)
                     self.free(row)
             return
+        # the greedy rows' tokens in one argmax over every row (an argmax a row cost more in all)
+        greedy = (argmax(logits[:, -1]).tolist() if any(r is not None and r.temperature == 0 for r in self.rows)
+                  else [None] * n)
         for row, request in enumerate(self.rows):
             if request is not None:
                 self.positions[row] += 1
-                self.emit(row, logits[row: row + 1, -1])
+                self.emit(row, logits[row: row + 1, -1], greedy[row])
 
-    def emit(self, row: int, logits: Tensor):
-        """Sample row's next token from its logits (1, V), send it, and end the row where it ends."""
+    def emit(self, row: int, logits: Tensor, greedy: int | None = None):
+        """Sample row's next token from its logits (1, V) (greedy: their argmax, where known), send it,
+        and end the row where it ends."""
         request = self.rows[row]
-        token, logprob, top = sample(request, logits)
+        token, logprob, top = sample(request, logits, greedy)
         request.generated += 1
         if token in request.stop_ids:
             return self.finish(row, "stop")
@@ -339,11 +343,11 @@ def copy_row(source: Transformer, target: Transformer, row: int, length: int):
         target.ring_positions[row] = source.ring_positions[0]
 
 
-def sample(request: Request, logits: Tensor) -> tuple[int, float | None, dict | None]:
+def sample(request: Request, logits: Tensor, greedy: int | None = None) -> tuple[int, float | None, dict | None]:
     """The request's next token from logits (1, V), with its own settings and random stream, and its
-    logprob and top alternatives ({id: logprob}) where asked."""
+    logprob and top alternatives ({id: logprob}) where asked. greedy: the logits' argmax, where known."""
     if request.temperature == 0:
-        token = int(logits.argmax(-1))
+        token = int(argmax(logits)) if greedy is None else greedy
     else:
         probs = decode.logits_to_probs(logits, request.temperature, request.top_k, request.top_p)
         noise = torch.empty_like(probs).exponential_(1, generator=request.generator)
@@ -352,6 +356,13 @@ def sample(request: Request, logits: Tensor) -> tuple[int, float | None, dict | 
         return token, None, None
     logprobs = logits.float().log_softmax(-1)[0]
     return token, float(logprobs[token]), top_alternatives(logprobs, request.logprobs)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """(..., V) -> (...): the first largest logit's index, taken in fp32 (exact for bf16 logits), where
+    PyTorch's CPU argmax is several times faster than over bf16 (benchmarks/RESULTS.md, "Greedy tokens in
+    the server")."""
+    return logits.float().argmax(-1)
 
 
 def top_alternatives(logprobs: Tensor, n: int) -> dict[int, float]:
