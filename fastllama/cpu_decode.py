@@ -170,20 +170,11 @@ def attention_kernel():
 def int4_kernel():
     """torch.ops.fastllama.int4_rows from cpu_int4.cpp (CPUs with AVX-512 BF16), or None where it cannot be
     built (quantize.int4_kernel then chooses PyTorch's)."""
-    if not USE_INT4_KERNEL or "avx512_bf16" not in cpu_flags() or not built("cpu_int4", "int4 products"):
+    if not USE_INT4_KERNEL or not torch.cpu._is_avx512_bf16_supported() or not built("cpu_int4", "int4 products"):
         return None
     torch.library.register_fake("fastllama::int4_rows")(
         lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     return torch.ops.fastllama.int4_rows
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (none elsewhere)."""
-    try:
-        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return set()
 
 
 def attend_cache(attention: Attention, q: Tensor, mask: Tensor) -> Tensor:
