@@ -177,23 +177,6 @@ def int4_kernel():
     return torch.ops.fastllama.int4_rows
 
 
-def attend_cache(attention: Attention, q: Tensor, mask: Tensor) -> Tensor:
-    """Attention.attend_cache on CPU: through the kernel for up to ATTENTION_ROWS rows a key/value head (a
-    decode or verify step; the kernel reads the cache as stored and skips the slots no row sees), eager or
-    compiled alike; otherwise (soft-capped scores, prefill, no kernel) as model.py does it."""
-    B, nh, T, hd = q.shape
-    n_kv = attention.n_local_heads
-    rows = nh // n_kv * T
-    few = statically_known_true(rows <= ATTENTION_ROWS) if torch.compiler.is_compiling() else rows <= ATTENTION_ROWS
-    kernel = attention.kernel if few and attention.softcap is None and hd % 16 == 0 else None
-    if kernel is None:
-        return Attention.attend_cache(attention, q, mask)
-    cache = attention.kv_cache
-    scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
-    y = kernel(q.reshape(B, n_kv, rows, hd), cache.k_cache, cache.v_cache, *scales, mask, attention.scale)
-    return y.to(q.dtype).view(B, nh, T, hd)
-
-
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for attention's products, (..., m, k) @ (..., k, n), in fp32 when compiling. A decode or
     verify step's m <= ATTENTION_ROWS rows (the query heads that share a key/value head, times the
@@ -330,6 +313,7 @@ def apply(model: Transformer):
             module.__class__ = FewRowLinear
         elif isinstance(module, Attention):
             module.product, module.path = attention_product, types.MethodType(attention_path, module)
-            module.attend_cache, module.kernel = types.MethodType(attend_cache, module), kernel
+            if kernel and module.head_dim % 16 == 0:  # the kernel's loads take 16 elements at a time
+                module.kernel, module.kernel_rows = kernel, ATTENTION_ROWS
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

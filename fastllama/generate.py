@@ -118,8 +118,16 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
         raise UserError(f"{checkpoint_path} does not fit its {checkpoint_path.parent}/model_config.json: "
                         f"{str(e).splitlines()[1].strip()}")
     quantize.pack_for_device(model, scheme)
-    cpu_decode.apply(model)
+    device_forms(model)
     return model.eval()
+
+
+def device_forms(model: Transformer):
+    """Give the model the forms its device runs fastest: cpu_decode.py's on CPU, kernels.py's decode
+    attention on a GPU with Triton."""
+    cpu_decode.apply(model)
+    if quantize.kernels:
+        quantize.kernels.apply(model)
 
 
 def empty_model(config: ModelArgs, scheme: quantize.Scheme | None = None, rank: int = 0, world_size: int = 1):

@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .cpu_decode import USE_ATTENTION_KERNEL
+from .model import Attention, Transformer
+
 # the most rows the kernel takes: a verify step of up to 7 drafts, or a batch of 8 rows
 ROWS = 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,3 +126,142 @@ def int8_rows(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 @int8_rows.register_fake
 def _(x, weight, scales):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+# Decode attention: the query rows of a decode or verify step (a key/value head's query heads times the
+# step's positions, up to ATTENTION_ROWS) against the cache as it is stored. Written out as two products,
+# compiled code reads a bf16 cache at 0.74 TB/s at 32k on an H200, and converts an int8 or fp8 cache to a
+# bf16 copy first, which makes the smaller caches slower (benchmarks/RESULTS.md, "A fifth GPU session").
+# Here each program reads one slice of one head's keys once for all its rows (split-K decoding: at depth,
+# enough programs to keep every multiprocessor reading), scales int8/fp8 levels after the product (a
+# score times its key's scale, a probability times its value's), and keeps an online softmax; a second
+# kernel joins the slices.
+ATTENTION_ROWS = 64
+ATTENTION_PROGRAMS = 1024  # programs to aim for at depth: several a multiprocessor, bytes in flight
+
+
+@triton.jit
+def attention_slice_kernel(q, k, v, k_scales, v_scales, mask, part, stats, R, T, S, chunk, n_kv, scale,
+                           stride_qb, stride_qh, stride_kb, stride_kh, stride_sb, stride_sh, stride_mb, stride_mt,
+                           HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SCALED: tl.constexpr, FP32: tl.constexpr):
+    """For the keys [chunk * slice, chunk * (slice + 1)) of one row's key/value head: each query row's
+    running max m, its sum of exp(score - m) l, and sum of exp(score - m) * value (part, unnormalized).
+    Products in q's dtype, or in fp32 with FP32 (an fp32 model; the interpreter, whose bf16 products are wrong)."""
+    bh, piece = tl.program_id(0), tl.program_id(1)
+    b, h = bh // n_kv, bh % n_kv
+    rows, d = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    live, dims = rows < R, d < HD
+    qs = tl.load(q + b * stride_qb + h * stride_qh + rows[:, None] * HD + d[None, :],
+                 mask=live[:, None] & dims[None, :], other=0.0)
+    if FP32:
+        qs = qs.to(tl.float32)
+    keys = k + b * stride_kb + h * stride_kh
+    values = v + b * stride_kb + h * stride_kh
+    sees = mask + b * stride_mb + (rows % T)[:, None] * stride_mt  # row g * T + t is position t's
+    m = tl.full((BLOCK_R,), -1e30, tl.float32)  # finite, so that a slice no row sees gives exp(-inf) = 0
+    l = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    start = piece * chunk
+    end = tl.minimum(start + chunk, S)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        inside = n < end
+        seen = tl.load(sees + n[None, :], mask=live[:, None] & inside[None, :], other=0) != 0
+        # no `other` for masked loads (fp8 takes none): what they give is masked below, converted first
+        kb = tl.load(keys + n[:, None] * HD + d[None, :], mask=inside[:, None] & dims[None, :]).to(qs.dtype)
+        if BLOCK_D != HD:
+            kb = tl.where(dims[None, :], kb, 0.0)
+        s = tl.dot(qs, tl.trans(kb), input_precision="ieee" if FP32 else None)
+        if SCALED:
+            s *= tl.load(k_scales + b * stride_sb + h * stride_sh + n, mask=inside, other=0).to(tl.float32)[None, :]
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        # a slot no row sees may hold anything (a stale or never-written value): 0 * NaN would be NaN
+        vb = tl.load(values + n[:, None] * HD + d[None, :], mask=inside[:, None] & dims[None, :]).to(qs.dtype)
+        vb = tl.where((tl.max(seen.to(tl.int32), 0) > 0)[:, None] & dims[None, :], vb, 0.0)
+        if SCALED:
+            p *= tl.load(v_scales + b * stride_sb + h * stride_sh + n, mask=inside, other=0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(qs.dtype), vb, input_precision="ieee" if FP32 else None)
+        m = m_new
+    out = (bh * tl.num_programs(1) + piece) * BLOCK_R + rows
+    tl.store(part + out[:, None] * BLOCK_D + d[None, :], acc)
+    tl.store(stats + out * 2, m)
+    tl.store(stats + out * 2 + 1, l)
+
+
+@triton.jit
+def attention_join_kernel(part, stats, y, R, SLICES, HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
+    """y for one query row of one key/value head: its slices' sums, each rescaled to the largest max."""
+    bh, r = tl.program_id(0), tl.program_id(1)
+    pieces, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    at = (bh * SLICES + pieces) * BLOCK_R + r
+    m = tl.load(stats + at * 2, mask=pieces < SLICES, other=-1e30)
+    l = tl.load(stats + at * 2 + 1, mask=pieces < SLICES, other=0.0)
+    weight = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(part + at[:, None] * BLOCK_D + d[None, :], mask=(pieces < SLICES)[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(y + (bh * R + r) * HD + d, out.to(y.dtype.element_ty), mask=d < HD)
+
+
+def attention_slices(programs: int, S: int, block_n: int) -> int:
+    """How many slices of the S keys each head's programs take: enough programs in all to fill the GPU at
+    depth, and each slice at least two blocks of keys (fewer would spend more on joining than reading)."""
+    return max(1, min(triton.cdiv(ATTENTION_PROGRAMS, programs), triton.cdiv(S, 2 * block_n)))
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None,
+           mask: Tensor, scale: float, block_n: int = 64, slices: int | None = None,
+           num_warps: int = 4, num_stages: int = 2) -> Tensor:
+    """decode_attention, its tiles given (benchmarks try others)."""
+    B, n_kv, R, hd = q.shape
+    S = mask.shape[-1]
+    assert R <= ATTENTION_ROWS and k_cache.stride(-1) == 1 and q.is_contiguous()
+    block_r = max(16, triton.next_power_of_2(R))  # tensor cores take 16 rows at least
+    block_d = triton.next_power_of_2(hd)
+    slices = slices or attention_slices(B * n_kv, S, block_n)
+    chunk = triton.cdiv(triton.cdiv(S, slices), block_n) * block_n
+    slices = triton.cdiv(S, chunk)
+    part = torch.empty(B * n_kv * slices * block_r, block_d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(B * n_kv * slices * block_r, 2, dtype=torch.float32, device=q.device)
+    scaled = k_scales is not None
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    attention_slice_kernel[(B * n_kv, slices)](
+        q, k_cache, v_cache, k_scales if scaled else k_cache, v_scales if scaled else v_cache, mask, part, stats,
+        R, mask.shape[2], S, chunk, n_kv, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_scales.stride(0) if scaled else 0, k_scales.stride(1) if scaled else 0, mask.stride(0), mask.stride(2),
+        HD=hd, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SCALED=scaled, FP32=q.dtype == torch.float32 or INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages)
+    y = torch.empty_like(q)
+    attention_join_kernel[(B * n_kv, R)](part, stats, y, R, slices, HD=hd, BLOCK_R=block_r, BLOCK_D=block_d,
+                                         BLOCK_S=triton.next_power_of_2(slices))
+    return y
+
+
+@torch.library.custom_op("fastllama::gpu_decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None,
+                     mask: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale, where mask) v over the cache's first mask.shape[-1] slots, as stored. q (B, n_kv,
+    R, hd): row g * T + t is query head g of the key/value head at position t; caches (>= B, n_kv, length,
+    hd), a scaled format's scales (>= B, n_kv, length, 1); mask (B, 1, T, S) bool. Returns (B, n_kv, R, hd)."""
+    return attend(q, k_cache, v_cache, k_scales, v_scales, mask, scale)
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, k_scales, v_scales, mask, scale):
+    return torch.empty_like(q)
+
+
+def apply(model: Transformer):
+    """Give each attention of a model on a GPU the decode attention kernel (FASTLLAMA_ATTENTION_KERNEL=0:
+    not, for comparison); a model elsewhere is left as it is."""
+    if next(model.parameters()).device.type != "cuda" or not USE_ATTENTION_KERNEL:
+        return
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kernel, module.kernel_rows = decode_attention, ATTENTION_ROWS

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import UserError
@@ -328,6 +329,8 @@ class Attention(nn.Module):
     # The two products of written-out attention. On CPU, cpu_decode.py swaps in a form that compiled code
     # fuses into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     product = staticmethod(torch.matmul)
+    # The device's decode attention kernel (attend_cache) and the most query rows a key/value head it takes
+    kernel, kernel_rows = None, 0
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -376,10 +379,21 @@ class Attention(nn.Module):
         return "folded" if self.n_head > self.n_local_heads else "fused"
 
     def attend_cache(self, q: Tensor, mask: Tensor) -> Tensor:
-        """attend() over the cache's first mask.shape[-1] slots (cpu_decode.py gives CPU models a kernel
-        that reads the cache as it is stored)."""
-        k, v = self.kv_cache.read(q.shape[0], mask.shape[-1])  # (B, n_kv, n, hd)
-        return self.attend(q, k, v, mask)
+        """attend() over the cache's first mask.shape[-1] slots. A decode or verify step (up to kernel_rows query
+        rows a key/value head) goes through the device's kernel where it has one (cpu_decode.py, kernels.py),
+        which reads the cache as it is stored; soft-capped scores and longer forwards are read back here."""
+        B, nh, T, hd = q.shape
+        rows = self.n_head // self.n_local_heads * T
+        # T is symbolic in prefill, compiled with dynamic shapes: no guard on it
+        few = statically_known_true(rows <= self.kernel_rows) if torch.compiler.is_compiling() else rows <= self.kernel_rows
+        if self.kernel is None or self.softcap is not None or not few:
+            k, v = self.kv_cache.read(B, mask.shape[-1])  # (B, n_kv, n, hd)
+            return self.attend(q, k, v, mask)
+        cache = self.kv_cache
+        scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
+        y = self.kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales, mask,
+                        self.scale)
+        return y.to(q.dtype).view(B, nh, T, hd)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q k^T * scale, where mask) v. q: (B, nh, T, hd); k, v: (B, n_kv, S, hd), each

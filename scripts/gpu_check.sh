@@ -17,13 +17,13 @@
 #                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
 #   bash scripts/gpu_check.sh tests [LIMIT] [-k]    the CUDA test set, several at a time where pytest-xdist is
 #                                                    there; a third argument picks tests as pytest's -k does
-#   bash scripts/gpu_check.sh depths                the 8B (random weights) decoding at depths 0, 8k and 32k
+#   bash scripts/gpu_check.sh depths                the 8B (random weights) decoding at depths 0, 8k and 32k ($DEPTHS)
 #                                                    with each KV cache format of $KV (default: bf16 int8 fp8),
 #                                                    over random cache contents (no prefill to compile)
-#   bash scripts/gpu_check.sh attention             decode attention at depth 32,704, bf16 and int8 KV, in a cache
-#                                                    ending a part block and in one of whole blocks, cuBLAS against
-#                                                    inductor's Triton templates (benchmarks/results/
-#                                                    gpu-decode-attention-forms.py)
+#   bash scripts/gpu_check.sh attention             kernels.py's decode attention against the compiled written-out
+#                                                    form, bf16, int8 and fp8 KV, T = 1 and 6, depths 8k and 32k,
+#                                                    then its tiles at 32k (benchmarks/results/gpu-decode-attention-
+#                                                    kernel.py; a few seconds of compiling a form), after its test
 #   bash scripts/gpu_check.sh speculative           the bundled model's drafters: plain decoding against prompt
 #                                                    lookup and the int4 self-draft (and the draft head, where
 #                                                    .gpu_carry holds a trained draft_head.safetensors), k = 5,
@@ -59,14 +59,13 @@ case $part in
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/cuda-tests.txt" ;;
   depths)
     timeout "$limit" python3 scripts/benchmark_depths.py --model Llama-3.1-8B --random-weights --device cuda \
-      --depths 0 8192 32768 --kv_cache_dtype ${KV:-bf16 int8 fp8} --no-own-cache --no-prefill --max_new_tokens 64 --runs 3 \
+      --depths ${DEPTHS:-0 8192 32768} --kv_cache_dtype ${KV:-bf16 int8 fp8} --no-own-cache --no-prefill --max_new_tokens 64 --runs 3 \
       --json "$OUT/llama-3.1-8b-depths.json" 2>&1 | tee "$OUT/llama-3.1-8b-depths.txt" ;;
   attention)
-    forms="benchmarks/results/gpu-decode-attention-forms.py --depths 0 32704"
-    timeout $((limit / 3)) python3 $forms --cache 32736 --forms matmul --kv bf16 int8 2>&1 \
-      | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-part-block.txt"
-    timeout $((limit * 2 / 3)) python3 $forms --cache 32768 --forms matmul triton-mm --kv int8 bf16 2>&1 \
-      | grep --line-buffered -v "^DEBUG" | tee "$OUT/decode-attention-whole-blocks.txt" ;;
+    python3 -m pytest -q tests/test_cpu_decode.py -k "attention_kernels and triton" 2>&1 | tail -3 \
+      | tee "$OUT/decode-attention-kernel-test.txt"
+    timeout "$limit" python3 benchmarks/results/gpu-decode-attention-kernel.py 2>&1 | grep --line-buffered -v "^DEBUG" \
+      | tee "$OUT/decode-attention-kernel.txt" ;;
   weights)
     timeout "$limit" python3 benchmarks/results/gpu-weight-only-kernels.py 2>&1 | grep --line-buffered -v "^DEBUG" \
       | tee "$OUT/weight-only-kernels.txt" ;;

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
-from fastllama import cpu_decode, generate as gen, quantize  # noqa: E402
+from fastllama import generate as gen, quantize  # noqa: E402
 from fastllama.checkpoint import load_config, read_metadata  # noqa: E402
 from fastllama.convert import hf_names  # noqa: E402
 from fastllama.model import ModelArgs, Transformer  # noqa: E402
@@ -105,7 +105,7 @@ def random_model(config: ModelArgs, args, rank: int = 0, world: int = 1) -> Tran
 def randomized(model: Transformer) -> Transformer:
     for weight in model.parameters():
         weight.normal_(0, 0.02)
-    cpu_decode.apply(model)  # as load_model does
+    gen.device_forms(model)  # as load_model does
     return model.eval()
 
 
@@ -135,7 +135,7 @@ def quantized_copy(model: Transformer, config: ModelArgs, mode: str, groupsize: 
     quantized, _ = gen.empty_model(config, scheme, rank, world)
     gen.fill(quantized, state)
     quantize.pack_for_device(quantized, scheme)
-    cpu_decode.apply(quantized)  # as load_model does
+    gen.device_forms(quantized)  # as load_model does
     return quantized.eval()
 
 

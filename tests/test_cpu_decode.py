@@ -164,31 +164,41 @@ def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
     torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
 
 
-@needs_kernel
+def decode_attention_kernel(name: str) -> tuple:
+    """A decode attention kernel and the most rows it takes: cpu_attention.cpp's, or kernels.py's Triton
+    kernel (interpreted on CPU: conftest sets TRITON_INTERPRET where there is no GPU)."""
+    if name == "cpu":
+        return cpu_decode.attention_kernel(), cpu_decode.ATTENTION_ROWS
+    kernels = pytest.importorskip("fastllama.kernels", reason="Triton is not installed (pip install triton)")
+    return kernels.decode_attention, kernels.ATTENTION_ROWS
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("cpu", marks=needs_kernel), "triton"])
 @pytest.mark.parametrize("store", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("B, n_kv, group, T, hd", [(1, 3, 3, 1, 64), (3, 2, 1, 1, 128), (2, 1, 4, 3, 80),
                                                    (2, 2, 8, 2, 16)])
 @torch.no_grad()
-def test_the_attention_kernel_computes_the_written_out_form(store, B, n_kv, group, T, hd):
-    """cpu_attention.cpp's kernel against model.py's own attention over the same cache (fp32 model, a cache
+def test_the_attention_kernels_compute_the_written_out_form(kernel, store, B, n_kv, group, T, hd):
+    """Each decode attention kernel against model.py's own attention over the same cache (fp32 model, a cache
     of each format), for rows at their own depths under a sliding window, T positions a row, group query
     heads a key/value head; and slots that no row sees are never read into the result (stale or NaN)."""
     torch.manual_seed(0)
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
     length, S = 700, 600  # S slots read: past the 256 positions of the kernel's chunks, not a multiple of them
     attention = Attention(ModelArgs(n_head=n_kv * group, n_local_heads=n_kv, head_dim=hd, dim=64))
-    attention.kv_cache = KVCache(B + 1, length, n_kv, hd, torch.float32, store_dtype=store)
-    positions = torch.arange(length).expand(B, -1)
-    attention.kv_cache.write(positions, *(torch.randn(B, length, n_kv, hd) for _ in "kv"))
-    depth = torch.tensor([599, 300, 17])[:B, None] - torch.arange(T).flip(0)  # (B, T): each row's own positions
-    mask = attention_mask(depth, positions[:, :S], window=250)
-    q = torch.randn(B, n_kv * group, T, hd)
-    expected = Attention.attend_cache(attention, q, mask)
-    attention.kernel = cpu_decode.attention_kernel()
-    ours = cpu_decode.attend_cache(attention, q, mask)
+    attention.kv_cache = KVCache(B + 1, length, n_kv, hd, torch.float32, device, store_dtype=store)
+    positions = torch.arange(length, device=device).expand(B, -1)
+    attention.kv_cache.write(positions, *(torch.randn(B, length, n_kv, hd, device=device) for _ in "kv"))
+    depth = torch.tensor([599, 300, 17], device=device)[:B, None] - torch.arange(T, device=device).flip(0)
+    mask = attention_mask(depth, positions[:, :S], window=250)  # each row at its own depth, T positions
+    q = torch.randn(B, n_kv * group, T, hd, device=device)
+    expected = attention.attend_cache(q, mask)
+    attention.kernel, attention.kernel_rows = decode_attention_kernel(kernel)
+    ours = attention.attend_cache(q, mask)
     assert relative_error(ours, expected) <= 1e-5
     if store.is_floating_point and store.itemsize > 1:  # a NaN to write; the last row's slots past the rows it reads too
         unseen = ~mask.any(2)[:, 0]  # (B, S)
         for cache in (attention.kv_cache.k_cache, attention.kv_cache.v_cache):
             cache[:B, :, :S][unseen[:, None].expand(-1, n_kv, -1)] = float("nan")
         cache[B:] = float("nan")
-        assert torch.equal(cpu_decode.attend_cache(attention, q, mask), ours)
+        assert torch.equal(attention.attend_cache(q, mask), ours)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastllama import decode, quantize, speculative, tp
-from fastllama.generate import compiled_steps, generate
+from fastllama.generate import compiled_steps, device_forms, generate
 from fastllama.model import ModelArgs, Transformer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -40,7 +40,9 @@ def random_model(dtype=torch.bfloat16, seed: int = 0, **overrides) -> Transforme
         model = Transformer(ModelArgs(**{**SMALL, **overrides}))
     for weight in model.parameters():
         weight.data.normal_(0, 0.05)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    device_forms(model)  # as load_model gives it: kernels.py's decode attention
+    return model
 
 
 def quantized(model: Transformer, mode: str) -> Transformer:
