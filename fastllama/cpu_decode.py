@@ -314,6 +314,6 @@ def apply(model: Transformer):
         elif isinstance(module, Attention):
             module.product, module.path = attention_product, types.MethodType(attention_path, module)
             if kernel and module.head_dim % 16 == 0:  # the kernel's loads take 16 elements at a time
-                module.kernel, module.kernel_rows = kernel, ATTENTION_ROWS
+                module.decode_kernel, module.decode_rows = kernel, ATTENTION_ROWS
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

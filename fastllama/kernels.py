@@ -1,4 +1,4 @@
-"""Weight-only int8 products of a few rows on a GPU, in Triton.
+"""A GPU's kernels, in Triton: weight-only int8 products of a few rows, and decode attention (below).
 
 A decode step multiplies one row (a verify step k + 1 rows, a batch its rows) by every weight: the time
 is reading the weight. This kernel reads each int8 weight element once for all the rows (up to ROWS),
@@ -16,9 +16,10 @@ conversion instruction, which runs at a quarter of the FMA rate; for more rows, 
 (benchmarks/RESULTS.md, "A sixth GPU session").
 
     y = kernels.int8_rows(x, weight, scales)   # x (m, k), m <= ROWS; weight (n, k) int8; scales (n,)
+    kernels.apply(model)                       # a CUDA model's attention through decode_attention
 
-With TRITON_INTERPRET=1 set before this module is imported, the kernel runs on CPU tensors (slowly):
-the tests check every configuration there.
+With TRITON_INTERPRET=1 set before this module is imported, the kernels run on CPU tensors (slowly):
+the tests check them there.
 """
 
 import os
@@ -135,7 +136,8 @@ def _(x, weight, scales):
 # Here each program reads one slice of one head's keys once for all its rows (split-K decoding: at depth,
 # enough programs to keep every multiprocessor reading), scales int8/fp8 levels after the product (a
 # score times its key's scale, a probability times its value's), and keeps an online softmax; a second
-# kernel joins the slices.
+# kernel joins the slices. At 32k the 8B's step reads a bf16 cache at 2.85 TB/s this way; its tiles won
+# or tied there (benchmarks/RESULTS.md, "An eighth GPU session").
 ATTENTION_ROWS = 64
 ATTENTION_PROGRAMS = 1024  # programs to aim for at depth: several a multiprocessor, bytes in flight
 
@@ -220,7 +222,9 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None,
     """decode_attention, its tiles given (benchmarks try others)."""
     B, n_kv, R, hd = q.shape
     S = mask.shape[-1]
-    assert R <= ATTENTION_ROWS and k_cache.stride(-1) == 1 and q.is_contiguous()
+    # the kernel steps through positions' vectors packed one after another, and a scale a position
+    assert R <= ATTENTION_ROWS and k_cache.stride()[2:] == (hd, 1) and q.is_contiguous()
+    assert k_scales is None or k_scales.stride(2) == 1
     block_r = max(16, triton.next_power_of_2(R))  # tensor cores take 16 rows at least
     block_d = triton.next_power_of_2(hd)
     slices = slices or attention_slices(B * n_kv, S, block_n)
@@ -235,8 +239,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None,
         q, k_cache, v_cache, k_scales if scaled else k_cache, v_scales if scaled else v_cache, mask, part, stats,
         R, mask.shape[2], S, chunk, n_kv, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_scales.stride(0) if scaled else 0, k_scales.stride(1) if scaled else 0, mask.stride(0), mask.stride(2),
-        HD=hd, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SCALED=scaled, FP32=q.dtype == torch.float32 or INTERPRETED,
-        num_warps=num_warps, num_stages=num_stages)
+        HD=hd, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SCALED=scaled,
+        FP32=q.dtype == torch.float32 or INTERPRETED, num_warps=num_warps, num_stages=num_stages)
     y = torch.empty_like(q)
     attention_join_kernel[(B * n_kv, R)](part, stats, y, R, slices, HD=hd, BLOCK_R=block_r, BLOCK_D=block_d,
                                          BLOCK_S=triton.next_power_of_2(slices))
@@ -264,4 +268,4 @@ def apply(model: Transformer):
         return
     for module in model.modules():
         if isinstance(module, Attention):
-            module.kernel, module.kernel_rows = decode_attention, ATTENTION_ROWS
+            module.decode_kernel, module.decode_rows = decode_attention, ATTENTION_ROWS

@@ -330,7 +330,7 @@ class Attention(nn.Module):
     # fuses into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     product = staticmethod(torch.matmul)
     # The device's decode attention kernel (attend_cache) and the most query rows a key/value head it takes
-    kernel, kernel_rows = None, 0
+    decode_kernel, decode_rows = None, 0
 
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -379,19 +379,20 @@ class Attention(nn.Module):
         return "folded" if self.n_head > self.n_local_heads else "fused"
 
     def attend_cache(self, q: Tensor, mask: Tensor) -> Tensor:
-        """attend() over the cache's first mask.shape[-1] slots. A decode or verify step (up to kernel_rows query
+        """attend() over the cache's first mask.shape[-1] slots. A decode or verify step (up to decode_rows query
         rows a key/value head) goes through the device's kernel where it has one (cpu_decode.py, kernels.py),
         which reads the cache as it is stored; soft-capped scores and longer forwards are read back here."""
         B, nh, T, hd = q.shape
         rows = self.n_head // self.n_local_heads * T
         # T is symbolic in prefill, compiled with dynamic shapes: no guard on it
-        few = statically_known_true(rows <= self.kernel_rows) if torch.compiler.is_compiling() else rows <= self.kernel_rows
-        if self.kernel is None or self.softcap is not None or not few:
+        few = (statically_known_true(rows <= self.decode_rows) if torch.compiler.is_compiling()
+               else rows <= self.decode_rows)
+        if self.decode_kernel is None or self.softcap is not None or not few:
             k, v = self.kv_cache.read(B, mask.shape[-1])  # (B, n_kv, n, hd)
             return self.attend(q, k, v, mask)
         cache = self.kv_cache
         scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
-        y = self.kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales, mask,
+        y = self.decode_kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales, mask,
                         self.scale)
         return y.to(q.dtype).view(B, nh, T, hd)
 

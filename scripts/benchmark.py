@@ -673,7 +673,7 @@ def write_record(args, **results):
     """The run's results, with when, how and where it ran, to --json."""
     record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=" ".join(sys.argv),
                   torch=torch.__version__, threads=torch.get_num_threads(),
-                  cpu_attention_kernel=cpu_decode.USE_ATTENTION_KERNEL,  # FASTLLAMA_ATTENTION_KERNEL=0: off
+                  attention_kernel=cpu_decode.USE_ATTENTION_KERNEL,  # FASTLLAMA_ATTENTION_KERNEL=0: off, CPU and GPU
                   cpu_int4_kernel=cpu_decode.USE_INT4_KERNEL,  # FASTLLAMA_INT4_KERNEL=0: off
                   hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
                   **results, args=vars(args))

@@ -193,10 +193,10 @@ def test_the_attention_kernels_compute_the_written_out_form(kernel, store, B, n_
     mask = attention_mask(depth, positions[:, :S], window=250)  # each row at its own depth, T positions
     q = torch.randn(B, n_kv * group, T, hd, device=device)
     expected = attention.attend_cache(q, mask)
-    attention.kernel, attention.kernel_rows = decode_attention_kernel(kernel)
+    attention.decode_kernel, attention.decode_rows = decode_attention_kernel(kernel)
     ours = attention.attend_cache(q, mask)
     assert relative_error(ours, expected) <= 1e-5
-    if store.is_floating_point and store.itemsize > 1:  # a NaN to write; the last row's slots past the rows it reads too
+    if store.is_floating_point and store.itemsize > 1:  # a NaN to write; the last row's slots past the rows read too
         unseen = ~mask.any(2)[:, 0]  # (B, S)
         for cache in (attention.kv_cache.k_cache, attention.kv_cache.v_cache):
             cache[:B, :, :S][unseen[:, None].expand(-1, n_kv, -1)] = float("nan")

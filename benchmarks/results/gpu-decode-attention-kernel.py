@@ -4,7 +4,8 @@ Llama-3.1-8B's attention shape (8 key/value heads of 4 query heads, head_dim 128
 attention over several layers' caches (more bytes than the L2 holds) is recorded in one CUDA graph; median
 of the replays. The written-out form is model.py's attend_cache without a kernel, compiled as the step is
 (it converts a scaled cache to bf16 for cuBLAS). Every form is checked against fp32 attention first. Then
-the kernel's tiles and slice counts at 32k, to choose them.
+the kernel's tiles and slice counts at 32k, to choose them (the eighth GPU session's record ran an earlier
+list, with 8-warp tiles, slower everywhere; those now try more keys a block for one-byte caches).
 
     python benchmarks/results/gpu-decode-attention-kernel.py [--layers 4] [--replays 20] [--no-tiles]
 """
@@ -22,7 +23,8 @@ from fastllama.generate import KV_CACHE_DTYPES  # noqa: E402
 from fastllama.model import Attention, KVCache, ModelArgs, attention_mask  # noqa: E402
 
 N_KV, GROUP, HD, LENGTH = 8, 4, 128, 32768 + 256
-TILES = [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]  # block_n, warps, stages
+# block of keys, warps, pipeline stages
+TILES = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 3)]
 
 
 def time_graph(fn, replays: int) -> float:
