@@ -113,12 +113,12 @@ class Engine:
         # (a second copy in memory): a step of 8 rows takes 1.7x one row's so, 2.8x without
         # (benchmarks/RESULTS.md, "The server's steps through oneDNN's packed weights")
         cpu_decode.pack(model)
-        # and they keep the compiled form of attention: under the server's load its steps measured slower
-        # through cpu_attention.cpp's kernel, though a step of 8 rows alone is faster through it (the cause
-        # is not found yet: benchmarks/RESULTS.md, "A decode attention kernel of our own")
+        # and on CPU they keep the compiled form of attention: under the server's load its steps measured
+        # slower through cpu_attention.cpp's kernel, though a step of 8 rows alone is faster through it (the
+        # cause is not found yet: benchmarks/RESULTS.md, "A decode attention kernel of our own")
         for module in model.modules():
-            if isinstance(module, Attention):
-                module.kernel = None
+            if isinstance(module, Attention) and self.device.type == "cpu":
+                module.decode_kernel = None
         self.twin = sharing_weights(model)  # after pack(): the twin shares the packed copies too
         self.twin.setup_caches(1, context, prefill_chunk, kv_cache_dtype)
         self.chunks = None  # the prompt being prefilled, as decode.prefill_by_chunks yields it
