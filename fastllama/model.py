@@ -392,8 +392,8 @@ class Attention(nn.Module):
             return self.attend(q, k, v, mask)
         cache = self.kv_cache
         scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
-        y = self.decode_kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales, mask,
-                        self.scale)
+        y = self.decode_kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales,
+                               mask, self.scale)
         return y.to(q.dtype).view(B, nh, T, hd)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

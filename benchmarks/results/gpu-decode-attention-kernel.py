@@ -12,7 +12,7 @@ int8 cache the kernel's other form (bits=True: the levels made floats by their b
 """
 
 import argparse
-import statistics
+import runpy
 import sys
 from pathlib import Path
 
@@ -23,29 +23,12 @@ from fastllama import kernels  # noqa: E402
 from fastllama.generate import KV_CACHE_DTYPES  # noqa: E402
 from fastllama.model import Attention, KVCache, ModelArgs, attention_mask  # noqa: E402
 
+# a form's median ms a replay, recorded as one CUDA graph: the weight-only kernels' benchmark's way
+time_graph = runpy.run_path(str(Path(__file__).with_name("gpu-weight-only-kernels.py")))["time_graph"]
+
 N_KV, GROUP, HD, LENGTH = 8, 4, 128, 32768 + 256
 # block of keys, warps, pipeline stages
 TILES = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 3)]
-
-
-def time_graph(fn, replays: int) -> float:
-    """Median ms of a replay of fn recorded as one CUDA graph."""
-    fn()
-    fn()  # compiles, tunes
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def layers(store: torch.dtype, n: int) -> list[Attention]:
