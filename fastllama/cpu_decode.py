@@ -132,6 +132,7 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 
 # Decode attention's own kernel (cpu_attention.cpp), on CPUs with AVX-512, for the models apply() is given:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
+# (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
 # ... and int4 products' (cpu_int4.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves PyTorch's
 USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"

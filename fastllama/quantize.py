@@ -597,7 +597,8 @@ def pack_for_device(model: nn.Module, scheme: Scheme | None):
     while); say once if some layers have only their scheme's fallback here."""
     from tqdm import tqdm
 
-    waiting = [(name, m) for name, m in model.named_modules() if getattr(m, "kernel", "") is None]
+    waiting = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, (Int8Linear, Int4Linear, Int4ExpertLinears)) and m.kernel is None]
     fallbacks = []
     for name, m in tqdm(waiting, desc="packing quantized weights", unit="layer", leave=False, disable=not waiting):
         layer = layer_scheme(name, scheme)
