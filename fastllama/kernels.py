@@ -201,10 +201,10 @@ def attention_slice_kernel(q, k, v, k_scales, v_scales, mask, part, stats, R, T,
         acc = acc * alpha[:, None] + tl.dot(p.to(qs.dtype), vb,
                                             input_precision="ieee" if FP32 else ("tf32" if BITS else None))
         m = m_new
-    out = (bh * tl.num_programs(1) + piece) * BLOCK_R + rows
-    tl.store(part + out[:, None] * BLOCK_D + d[None, :], acc)
-    tl.store(stats + out * 2, m)
-    tl.store(stats + out * 2 + 1, l)
+    out = (bh * tl.num_programs(1) + piece) * BLOCK_R + rows  # the padding rows' sums are not written
+    tl.store(part + out[:, None] * BLOCK_D + d[None, :], acc, mask=live[:, None])
+    tl.store(stats + out * 2, m, mask=live)
+    tl.store(stats + out * 2 + 1, l, mask=live)
 
 
 @triton.jit
