@@ -66,18 +66,13 @@ def prefill(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", **
     return sample(prefill_logits(model, idx, lengths, steps)[:, 0], **sampling)
 
 
-def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False):
-    """Fill the cache with the prompts, `model.chunk` positions a forward (steps.prefill_chunk), so that
-    activation memory is bounded by the chunk whatever the prompt's length, and compiled prefill sees a
-    few shapes only. Returns the logits of each row's last prompt position, (B, 1, V); with states, also
-    the last layer's output at every position (B, T, dim), for a drafter that reads them."""
-    *_, result = prefill_by_chunks(model, idx, lengths, steps, states)
-    return result
-
-
-def prefill_by_chunks(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False):
-    """prefill_logits a forward at a time, so that a server can decode other rows between two: yields None
-    after each chunk but the last, and then prefill_logits' result.
+def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False,
+                   first: int = 0):
+    """Fill the cache's rows first .. first + B - 1 with the prompts, `model.chunk` positions a forward
+    (steps.prefill_chunk), so that activation memory is bounded by the chunk whatever the prompt's length,
+    and compiled prefill sees a few shapes only. Returns the logits of each row's last prompt position,
+    (B, 1, V); with states, also the last layer's output at every position (B, T, dim), for a drafter
+    that reads them, or a server's prompt logprobs.
     A prompt of one token is run by the plain prefill_chunk whatever steps holds: compiled prefill
     specializes a dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]
@@ -89,11 +84,12 @@ def prefill_by_chunks(model: Transformer, idx: Tensor, lengths: Tensor, steps: "
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
         ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
-        chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, key_positions(model, end))
+        keys = key_positions(model, end, idx.shape[0])
+        chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, keys, first)
         logits = kept(holds_last, chunk_logits, logits)
         if states:
             hidden.append(chunk_states)
-        yield None if end < T else (logits, torch.cat(hidden, dim=1)) if states else logits
+    return (logits, torch.cat(hidden, dim=1)) if states else logits
 
 
 def prompt_chunks(last: Tensor, T: int, chunk: int):
@@ -127,11 +123,11 @@ def chunk_bounds(T: int, chunk: int) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], T]))
 
 
-def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor
+def prefill_chunk(model: Transformer, idx: Tensor, input_pos: Tensor, last: Tensor, keys: Tensor, first: int = 0
                   ) -> tuple[Tensor, Tensor]:
-    """One forward of prefill: idx, input_pos (B, t); the logits at each row's position `last` (B,),
-    (B, 1, V), and the last layer's output (B, t, dim). keys: key_positions()."""
-    x = model.hidden_states(idx, input_pos, keys)
+    """One forward of prefill: idx, input_pos (B, t) into the cache's rows from `first`; the logits at each
+    row's position `last` (B,), (B, 1, V), and the last layer's output (B, t, dim). keys: key_positions()."""
+    x = model.hidden_states(idx, input_pos, keys, first=first)
     return model.logits(rows_at(x, last)), x
 
 
@@ -161,6 +157,16 @@ def target_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, tree: 
     return model.logits(states), states
 
 
+def joined_step(model: Transformer, x: Tensor, pos: Tensor, keys: Tensor, chunk: Tensor, chunk_pos: Tensor,
+                chunk_last: Tensor, chunk_keys: Tensor, chunk_row: int) -> tuple[Tensor, Tensor]:
+    """A server's decode step of the cache's first B rows, x (B, 1) at pos (B, 1), that also carries a chunk
+    of a prompt joining them, chunk (1, t) at chunk_pos (1, t) into cache row chunk_row, in one forward
+    that reads each weight once for both (Transformer.packed_states). Returns the logits of the B rows and
+    of the chunk's position chunk_last (1,), (B + 1, 1, V), and the chunk's last layer's output (1, t, dim)."""
+    states, chunk_states = model.packed_states([(x, pos, keys, 0), (chunk, chunk_pos, chunk_keys, chunk_row)])
+    return model.logits(torch.cat([states, rows_at(chunk_states, chunk_last)])), chunk_states
+
+
 def draft_step(draft_model: Transformer, x: Tensor, pos: Tensor, keys: Tensor) -> Tensor:
     """x: (B, T) at positions pos (B, T) -> the draft model's logits for the next token (B, V)."""
     return draft_model(x, pos, key_positions=keys)[:, -1]
@@ -179,6 +185,7 @@ class Steps:
     decode_one_token: Callable = decode_one_token
     prefill_chunk: Callable = prefill_chunk
     target_step: Callable = target_step
+    joined_step: Callable = joined_step
     draft_step: Callable = draft_step
     head_step: Callable = head_step
 

@@ -274,8 +274,8 @@ def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, conf
 
 
 def compiled_steps(dynamic_prefill: bool = False) -> decode.Steps:
-    """decode's steps compiled: the one-token step and speculative decoding's verify, draft-model and
-    draft-head steps with fixed shapes (CUDA graphs on GPU); prefill's forward of one chunk, with
+    """decode's steps compiled: the one-token step, speculative decoding's verify, draft-model and
+    draft-head steps, and a server's joined step with fixed shapes (CUDA graphs on GPU); prefill's forward of one chunk, with
     dynamic_prefill, for any chunk length (else eager). Each compiles on its first call, for any model.
     The same object for the same argument."""
     return compiled_once(bool(dynamic_prefill))
@@ -303,7 +303,8 @@ def compiled_once(dynamic_prefill: bool) -> decode.Steps:
         return copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
 
     return decode.Steps(decode_one_token=fixed(decode.decode_one_token), target_step=fixed(decode.target_step),
-                        draft_step=fixed(decode.draft_step), head_step=fixed(decode.head_step))
+                        joined_step=fixed(decode.joined_step), draft_step=fixed(decode.draft_step),
+                        head_step=fixed(decode.head_step))
 
 
 def copied_out(step):

@@ -7,6 +7,7 @@ weights, and a few large matmuls read them faster than many small ones.
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -115,12 +116,12 @@ class KVCache(nn.Module):
             self.register_buffer("k_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
 
-    def write(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own. A forward of B
-        rows uses the cache's first B (a server steps only as many as it runs). What lies in slots a row
-        has not written is masked by position (attention_mask) until it is overwritten."""
+    def write(self, input_pos: Tensor, k: Tensor, v: Tensor, first: int = 0):
+        """Write k, v (B, T, n_kv, hd) at positions input_pos (B, T), each row at its own, into the cache's rows
+        first .. first + B - 1 (a server steps only as many rows as it runs). What lies in slots a row has
+        not written is masked by position (attention_mask) until it is overwritten."""
         B = k.shape[0]
-        rows = torch.arange(B, device=k.device).unsqueeze(1)  # (B, 1)
+        rows = first + torch.arange(B, device=k.device).unsqueeze(1)  # (B, 1)
         slots = input_pos % self.k_cache.shape[2]
         store = self.k_cache.dtype
         if store not in SCALED_KV_MAX:
@@ -133,13 +134,24 @@ class KVCache(nn.Module):
             cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
             scales[rows, :, slots] = scale.to(self.dtype)
 
-    def read(self, B: int, n_read: int) -> tuple[Tensor, Tensor]:
-        """The keys and values of the first B rows' first n_read slots, (B, n_kv, n_read, hd), in the model's
-        dtype (compiled code fuses the conversion into the loop that reads them)."""
+    def read(self, B: int, n_read: int, first: int = 0) -> tuple[Tensor, Tensor]:
+        """The keys and values of rows first .. first + B - 1, their first n_read slots, (B, n_kv, n_read, hd),
+        in the model's dtype (compiled code fuses the conversion into the loop that reads them)."""
+        rows = slice(first, first + B)
         if self.k_cache.dtype not in SCALED_KV_MAX:
-            return self.k_cache[:B, :, :n_read].to(self.dtype), self.v_cache[:B, :, :n_read].to(self.dtype)
-        return tuple(cache[:B, :, :n_read].to(self.dtype) * scales[:B, :, :n_read]
+            return self.k_cache[rows, :, :n_read].to(self.dtype), self.v_cache[rows, :, :n_read].to(self.dtype)
+        return tuple(cache[rows, :, :n_read].to(self.dtype) * scales[rows, :, :n_read]
                      for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
+
+
+class Rows(NamedTuple):
+    """What attention takes for a forward's B rows of T positions: they live in the cache's rows first ..
+    first + B - 1, at input_pos (B, T), with RoPE's cos and sin (B, T, 2 * rope_dim) and a mask (B, 1, T, n)
+    over the cache's first n slots, the only ones read (attention_mask)."""
+    first: int
+    input_pos: Tensor
+    rope: Tensor
+    mask: Tensor
 
 
 class Transformer(nn.Module):
@@ -224,13 +236,24 @@ class Transformer(nn.Module):
         return softcap(self.output(self.norm(x)), self.config.logit_softcap)
 
     def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None,
-                      tree: Tensor | None = None) -> Tensor:
-        """The last layer's output (B, T, dim), writing the KV cache at input_pos (B, T)."""
-        return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions, tree)
+                      tree: Tensor | None = None, first: int = 0) -> Tensor:
+        """The last layer's output (B, T, dim), writing the KV cache's rows first .. first + B - 1 at input_pos (B, T)."""
+        return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions, tree, first)
+
+    def packed_states(self, groups: list[tuple[Tensor, Tensor, Tensor, int]]) -> list[Tensor]:
+        """One forward over groups of rows, each (idx (B, T), input_pos (B, T), key_positions, first: the
+        cache row of its first row), their tokens one after another, so that each weight is read once for
+        all of them: a server's decode rows beside a chunk of a prompt that joins them (serve.py). Each
+        group attends over its own rows of the cache. Returns each group's last layer's output (B, T, dim)."""
+        sizes = [idx.numel() for idx, *_ in groups]
+        x = torch.cat([self.tok_embeddings(idx).view(1, n, -1) for n, (idx, *_) in zip(sizes, groups)], dim=1)
+        rows = [self.attention_rows(input_pos, keys, None, first) for _, input_pos, keys, first in groups]
+        x = self.through_layers(x * self.embedding_scale, rows)
+        return [states.view(*idx.shape, -1) for states, (idx, *_) in zip(x.split(sizes, dim=1), groups)]
 
     def blocks(self, x: Tensor, input_pos: Tensor, key_positions: Tensor | None = None,
-               tree: Tensor | None = None) -> Tensor:
-        """x (B, T, dim) through every layer, writing the KV cache at input_pos (B, T).
+               tree: Tensor | None = None, first: int = 0) -> Tensor:
+        """x (B, T, dim) through every layer, writing the KV cache's rows first .. first + B - 1 at input_pos (B, T).
 
         tree (T, T), or one a row (B, T, T), for tokens that branch: speculative decoding's drafts as a
         tree, eval.py's choices after their question. tree[..., i, j] when token j is token i's ancestor
@@ -239,29 +262,38 @@ class Transformer(nn.Module):
         and, of the tree, only its ancestors and itself. With sliding-window layers, a tree must lie,
         with all it sees, within the window, and take one forward (T <= chunk): a ring then masks as
         the tree does (eval.py's rows; speculative decoding refuses trees for such models)."""
-        assert self.max_seq_length > 0, "call setup_caches first"
-        c = self.config
-        B, T, _ = x.shape
-        if c.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
+        T = x.shape[1]
+        if self.config.sliding_window and T > self.chunk:  # a ring takes at most `chunk` new positions a forward
             assert tree is None, "a tree goes through a sliding-window ring in one forward"
-            return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions)
-                              for i in range(0, T, self.chunk)], dim=1)
-        key_positions = self.positions[:B] if key_positions is None else key_positions  # (B, n)
-        # what a layer's attention takes, (RoPE (B, T, 2 * rope_dim), mask): a full cache's, and a sliding ring's
+            return torch.cat([self.blocks(x[:, i: i + self.chunk], input_pos[:, i: i + self.chunk], key_positions,
+                                          first=first) for i in range(0, T, self.chunk)], dim=1)
+        return self.through_layers(x, [self.attention_rows(input_pos, key_positions, tree, first)])
+
+    def attention_rows(self, input_pos: Tensor, key_positions: Tensor | None, tree: Tensor | None, first: int
+                       ) -> tuple[Rows, Rows | None]:
+        """What attention takes for the rows first .. first + B - 1 at input_pos (B, T) (see blocks): in a
+        layer of a full cache, and in a sliding-window layer, whose rings learn the positions written here."""
+        assert self.max_seq_length > 0, "call setup_caches first"
+        c, B = self.config, input_pos.shape[0]
+        key_positions = self.positions[first: first + B] if key_positions is None else key_positions  # (B, n)
         if tree is None:
             rope_pos, full_mask = input_pos, attention_mask(input_pos, key_positions)
         else:
             rope_pos = input_pos[:, :1] + tree.sum(-1) - 1  # (B, T): the positions of the tokens' depths
             full_mask = tree_attention_mask(input_pos, key_positions, tree)
-        full_attention = self.rope_cache[rope_pos], full_mask
-        if c.sliding_window:
-            rows, ring = torch.arange(B, device=x.device).unsqueeze(1), self.ring_positions[:B]
-            ring[rows, input_pos % ring.shape[1]] = input_pos
-            ring_mask = (attention_mask(input_pos, ring, c.sliding_window) if tree is None
-                         else tree_attention_mask(input_pos, ring, tree))
-            sliding_attention = self.local_rope_cache[rope_pos], ring_mask
+        full = Rows(first, input_pos, self.rope_cache[rope_pos], full_mask)
+        if not c.sliding_window:
+            return full, None
+        rows, ring = torch.arange(B, device=input_pos.device).unsqueeze(1), self.ring_positions[first: first + B]
+        ring[rows, input_pos % ring.shape[1]] = input_pos
+        ring_mask = (attention_mask(input_pos, ring, c.sliding_window) if tree is None
+                     else tree_attention_mask(input_pos, ring, tree))
+        return full, Rows(first, input_pos, self.local_rope_cache[rope_pos], ring_mask)
+
+    def through_layers(self, x: Tensor, groups: list[tuple[Rows, Rows | None]]) -> Tensor:
+        """x through every layer, each group of rows' attention taking its Rows for the layer's kind of cache."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_pos, *(sliding_attention if c.is_sliding(i) else full_attention))
+            x = layer(x, [sliding if self.config.is_sliding(i) else full for full, sliding in groups])
         return x
 
 
@@ -320,8 +352,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = norm() if config.sandwich_norms else nn.Identity()
         self.post_ffn_norm = norm() if config.sandwich_norms else nn.Identity()
 
-    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask))
+    def forward(self, x: Tensor, groups: list[Rows]) -> Tensor:
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), groups))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -349,18 +381,27 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = nn.Identity()
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        """x (B, T, dim) at input_pos (B, T); mask (B, 1, T, n) over the cache's first n slots, the
-        only ones read."""
-        B, T, _ = x.shape
-        q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(self.normed_heads(self.q_norm, q, self.n_head), rope)  # (B, T, nh, hd)
-        k = apply_rope(self.normed_heads(self.k_norm, k, self.n_local_heads), rope)  # (B, T, n_kv, hd)
-        v = v.view(B, T, self.n_local_heads, self.head_dim)
-        self.kv_cache.write(input_pos, k, v)
-        y = self.attend_cache(q.transpose(1, 2), mask)  # (B, nh, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+    def forward(self, x: Tensor, groups: list[Rows]) -> Tensor:
+        """x (B, T, dim), the rows of groups[0]; or (1, N, dim), several groups' tokens one after another
+        (Transformer.packed_states), which share the products and attend each over its own rows."""
+        qkv = self.wqkv(x)
+        parts = [qkv] if len(groups) == 1 else qkv.split([g.input_pos.numel() for g in groups], dim=1)
+        # every group's keys and values go into the cache before any group reads it: compiled code then
+        # writes the cache in place (a read between two writes had it copy each layer's whole cache)
+        queries = [self.write_rows(part, rows) for part, rows in zip(parts, groups)]
+        ys = [self.attend_cache(q, rows.mask, rows.first).transpose(1, 2).reshape(*part.shape[:2], -1)
+              for q, part, rows in zip(queries, parts, groups)]
+        return self.wo(ys[0] if len(ys) == 1 else torch.cat(ys, dim=1))
+
+    def write_rows(self, qkv: Tensor, rows: Rows) -> Tensor:
+        """The rows' products with wqkv, (B, T, ...) or their B * T tokens (1, B * T, ...): their keys and
+        values written into the cache, their queries returned, (B, nh, T, hd)."""
+        (B, T), q_dim, kv_dim = rows.input_pos.shape, self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = qkv.reshape(B, T, -1).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(self.normed_heads(self.q_norm, q, self.n_head), rows.rope)  # (B, T, nh, hd)
+        k = apply_rope(self.normed_heads(self.k_norm, k, self.n_local_heads), rows.rope)  # (B, T, n_kv, hd)
+        self.kv_cache.write(rows.input_pos, k, v.view(B, T, self.n_local_heads, self.head_dim), rows.first)
+        return q.transpose(1, 2)
 
     def normed_heads(self, norm: nn.Module, x: Tensor, n_heads: int) -> Tensor:
         """x (B, T, n_heads * hd) -> (B, T, n_heads, hd), normalized over each head or over all of them."""
@@ -378,8 +419,8 @@ class Attention(nn.Module):
             return "written"
         return "folded" if self.n_head > self.n_local_heads else "fused"
 
-    def attend_cache(self, q: Tensor, mask: Tensor) -> Tensor:
-        """attend() over the cache's first mask.shape[-1] slots. A decode or verify step (up to decode_rows query
+    def attend_cache(self, q: Tensor, mask: Tensor, first: int = 0) -> Tensor:
+        """attend() over the first mask.shape[-1] slots of the cache's rows from `first`. A decode or verify step (up to decode_rows query
         rows a key/value head) goes through the device's kernel where it has one (cpu_decode.py, kernels.py),
         which reads the cache as it is stored; soft-capped scores and longer forwards are read back here."""
         B, nh, T, hd = q.shape
@@ -388,12 +429,12 @@ class Attention(nn.Module):
         few = (statically_known_true(rows <= self.decode_rows) if torch.compiler.is_compiling()
                else rows <= self.decode_rows)
         if self.decode_kernel is None or self.softcap is not None or not few:
-            k, v = self.kv_cache.read(B, mask.shape[-1])  # (B, n_kv, n, hd)
+            k, v = self.kv_cache.read(B, mask.shape[-1], first)  # (B, n_kv, n, hd)
             return self.attend(q, k, v, mask)
         cache = self.kv_cache
-        scales = (cache.k_scales, cache.v_scales) if hasattr(cache, "k_scales") else (None, None)
-        y = self.decode_kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache, cache.v_cache, *scales,
-                               mask, self.scale)
+        scales = (cache.k_scales[first:], cache.v_scales[first:]) if hasattr(cache, "k_scales") else (None, None)
+        y = self.decode_kernel(q.reshape(B, self.n_local_heads, rows, hd), cache.k_cache[first:],
+                               cache.v_cache[first:], *scales, mask, self.scale)
         return y.to(q.dtype).view(B, nh, T, hd)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

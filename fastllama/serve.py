@@ -7,13 +7,14 @@ Endpoints as OpenAI's API writes them: POST /v1/chat/completions (the checkpoint
 POST /v1/completions (with echo and logprobs, as lm-eval's local-completions scores through them),
 GET /v1/models, GET /health; `stream` answers with server-sent events ending in `data: [DONE]`.
 
-One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows (HTTP
-runs in another thread). A request waits for a free row; its prompt is prefilled in a twin of the model
-that shares its weights and has a cache of one row, a chunk between two decode steps of the rows already
-running (their streams keep flowing), and then copied into its row. Every decode step runs the rows in
-use at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once: CUDA
-graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that no
-mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
+One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows, and
+one more (HTTP runs in another thread). A request waits for a free row; its prompt goes into the extra
+row, --join_chunk positions at a time, each chunk carried by a decode step of the rows already running
+(one forward reads the weights once for both, and their streams keep flowing), and is then copied into
+its row; with no row running, a prompt goes in alone, --prefill_chunk positions a forward. Every decode
+step runs the rows in use at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each
+compiled once: CUDA graphs on a GPU); each row samples with its own settings and random stream, outside
+the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
 string (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the
 tokens it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever
 the others hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C
@@ -26,7 +27,6 @@ rank 0 serves HTTP and schedules, and every rank makes the same calls to its sha
 import argparse
 import asyncio
 import contextlib
-import copy
 import itertools
 import json
 import os
@@ -97,18 +97,28 @@ class Request:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+# prompt positions a decode step carries for a prompt joining the running rows (Scheduler.decode_step):
+# more make the step slower for every running stream, fewer make a prompt wait more steps for its row
+# (benchmarks/RESULTS.md, "Prompts carried by decode steps")
+JOIN_CHUNK = 8
+
+
 class Engine:
-    """The model's side of the scheduler: its cache of max_batch rows, the one-row twin prompts are
+    """The model's side of the scheduler: its cache of max_batch rows and the extra one prompts are
     prefilled in, and the calls that run them. Under torchrun every rank holds one (its shard of the
     model) and makes the same calls in the same order, the sharded forwards' all-reduces pairing up
     across ranks: rank 0's scheduler makes each through call(), which first broadcasts it, and the
     other ranks follow() (gloo times out a collective after 30 minutes: an idle scheduler calls idle)."""
 
     def __init__(self, model: Transformer, max_batch: int, context: int, steps: decode.Steps,
-                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None, world: int = 1):
+                 prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None, world: int = 1,
+                 join_chunk: int = JOIN_CHUNK):
         self.model, self.steps, self.world = model, steps, world
         self.device = next(model.parameters()).device
-        model.setup_caches(max_batch, context, prefill_chunk, kv_cache_dtype)
+        self.prompt_row = max_batch  # the extra row, a joining prompt's
+        # a chunk's positions all lie in the context, and a sliding-window ring takes them in one forward
+        self.join_chunk = min(join_chunk, prefill_chunk, context)
+        model.setup_caches(max_batch + 1, context, prefill_chunk, kv_cache_dtype)
         # a CPU bf16 model's steps of several rows, and its prompts, read oneDNN's copy of its weights
         # (a second copy in memory): a step of 8 rows takes 1.7x one row's so, 2.8x without
         # (benchmarks/RESULTS.md, "The server's steps through oneDNN's packed weights")
@@ -119,9 +129,6 @@ class Engine:
         for module in model.modules():
             if isinstance(module, Attention) and self.device.type == "cpu":
                 module.decode_kernel = None
-        self.twin = sharing_weights(model)  # after pack(): the twin shares the packed copies too
-        self.twin.setup_caches(1, context, prefill_chunk, kv_cache_dtype)
-        self.chunks = None  # the prompt being prefilled, as decode.prefill_by_chunks yields it
 
     def call(self, name: str, *args):
         if self.world > 1:
@@ -142,27 +149,30 @@ class Engine:
             except Exception:  # noqa: BLE001 - rank 0 met it too, and answers the request that met it
                 pass
 
-    def begin(self, prompt: list[int], states: bool):
+    def prefill(self, prompt: list[int], states: bool):
+        """The whole prompt into the prompt row (no row is running): decode.prefill_logits' result."""
         ids = torch.tensor([prompt], device=self.device)
         lengths = torch.tensor([len(prompt)], device=self.device)
-        self.chunks = decode.prefill_by_chunks(self.twin, ids, lengths, self.steps, states)
-
-    def chunk(self):
-        """The next chunk of the prompt: None, or at the last prefill_logits' result."""
-        return next(self.chunks)
-
-    def drop(self):
-        self.chunks = None
+        return decode.prefill_logits(self.model, ids, lengths, self.steps, states, first=self.prompt_row)
 
     def join(self, row: int, length: int):
-        copy_row(self.twin, self.model, row, length)
+        copy_row(self.model, self.prompt_row, row, length)
 
-    def step(self, tokens: list[int], positions: list[int]) -> Tensor:
-        """One decode step of the cache's first len(tokens) rows: logits (len(tokens), 1, V)."""
+    def step(self, tokens: list[int], positions: list[int], chunk: tuple[list[int], list[int], int] | None = None):
+        """One decode step of the cache's first len(tokens) rows: logits (len(tokens), 1, V). With a chunk of
+        a joining prompt (join_chunks), the same forward writes it into the prompt row: then (the logits and
+        a last row, the chunk's last prompt position's, and the chunk's last layer's output (1, t, dim))."""
         keys = decode.key_positions(self.model, max(positions) + 1, len(tokens))
         tokens = torch.tensor(tokens, device=self.device)[:, None]
         positions = torch.tensor(positions, device=self.device)[:, None]
-        return self.steps.target_step(self.model, tokens, positions, keys)[0]
+        if chunk is None:
+            return self.steps.target_step(self.model, tokens, positions, keys)[0]
+        chunk_tokens, chunk_positions, n = chunk
+        chunk_keys = decode.key_positions(self.model, chunk_positions[-1] + 1, 1)
+        chunk_tokens, chunk_positions = (torch.tensor([t], device=self.device) for t in (chunk_tokens, chunk_positions))
+        last = torch.tensor([n - 1], device=self.device)
+        return self.steps.joined_step(self.model, tokens, positions, keys, chunk_tokens, chunk_positions, last,
+                                      chunk_keys, self.prompt_row)
 
     def idle(self):
         pass
@@ -184,7 +194,9 @@ class Scheduler:
         self.positions = [0] * max_batch  # ... and its position
         self.waiting: queue.Queue[Request | None] = queue.Queue()  # submitted, from other threads
         self.pending: list[Request] = []  # taken from there, in order, waiting for a row
-        self.prefilling: Request | None = None
+        self.prefilling: Request | None = None  # the prompt joining the running rows ...
+        self.chunks: list[tuple[list[int], list[int], int]] = []  # ... its chunks still to go (join_chunks) ...
+        self.prompt_states: list[Tensor] = []  # ... and its last layer's output so far, for echoed logprobs
         self.stopping = self.closed = False
 
     def submit(self, request: Request):
@@ -201,10 +213,10 @@ class Scheduler:
             self.drop_cancelled()
             if self.prefilling is None and None in self.rows:
                 self.start_prefill()
-            if self.prefilling is not None:
-                self.prefill_step(all_chunks=not any(self.rows))  # alone, a prompt goes through in one go
             if any(self.rows):
-                self.decode_step()
+                self.decode_step()  # with the joining prompt's next chunk
+            elif self.prefilling is not None:  # alone (or left alone), a prompt goes in in one go
+                self.prefill_alone()
         self.engine.call("stop")
         self.closed = True  # what comes from now on is refused where it is submitted
         shutting = APIError(503, "the server is shutting down: send the request again once it is back")
@@ -236,7 +248,6 @@ class Scheduler:
         self.pending = [r for r in self.pending if not r.cancelled.is_set()]
         if self.prefilling is not None and self.prefilling.cancelled.is_set():
             self.prefilling = None
-            self.engine.call("drop")
 
     def free(self, row: int):
         """The row is free: it steps at position 0 with token 0 (writing its slot 0, which the next request
@@ -247,29 +258,22 @@ class Scheduler:
     def start_prefill(self):
         if self.pending:
             self.prefilling = self.pending.pop(0)
-            self.engine.call("begin", self.prefilling.prompt,
-                             self.prefilling.echo and self.prefilling.logprobs is not None)
+            self.chunks, self.prompt_states = join_chunks(self.prefilling.prompt, self.engine.join_chunk), []
 
-    def prefill_step(self, all_chunks: bool):
-        """A chunk of the prompt being prefilled (or all of them); at its end the request takes a free row."""
-        request = self.prefilling
+    def prefill_alone(self):
+        """The prompt in one go (from its start, where it had begun to join rows that have all ended since)."""
+        request, self.prefilling = self.prefilling, None
         try:
-            while (result := self.engine.call("chunk")) is None:
-                if not all_chunks:
-                    return
+            result = self.engine.call("prefill", request.prompt, wants_prompt_logprobs(request))
         except Exception as e:  # noqa: BLE001 - one request's failure is its own answer, not the server's end
-            self.prefilling = None
-            self.engine.call("drop")
             return fail(request, e)
-        self.prefilling = None
-        self.engine.call("drop")
         self.join(request, result)
 
     def join(self, request: Request, result):
         """The prefilled request: its cache into a free row, its prompt's logprobs if asked, its first token."""
         logits, states = result if isinstance(result, tuple) else (result, None)
         if states is not None:  # the output head is whole on every rank: rank 0 alone computes them
-            prompt_logprobs(request, self.engine.twin.logits(states)[0].float().log_softmax(-1))
+            prompt_logprobs(request, self.engine.model.logits(states)[0].float().log_softmax(-1))
         row = self.rows.index(None)
         self.engine.call("join", row, len(request.prompt))
         self.rows[row] = request
@@ -282,17 +286,23 @@ class Scheduler:
     def decode_step(self):
         """One step of the first rows, up to the last running one, rounded up to a power of 2 (a few fixed
         shapes: one graph each, compiled), then each running row's next token. A request takes the first
-        free row, so that the rows stepped stay few while few run: the step's time grows with its rows."""
+        free row, so that the rows stepped stay few while few run: the step's time grows with its rows.
+        The step carries the joining prompt's next chunk, if any; after its last, the request takes its row."""
         last = max(row for row, request in enumerate(self.rows) if request is not None)
         n = min(1 << last.bit_length(), len(self.rows))
+        joining, chunk = self.prefilling, self.chunks.pop(0) if self.prefilling else None
         try:
-            logits = self.engine.call("step", self.tokens[:n], self.positions[:n])
+            out = self.engine.call("step", self.tokens[:n], self.positions[:n], chunk)
         except Exception as e:  # noqa: BLE001 - the rows running now fail; the server goes on
             for row, request in enumerate(self.rows):
                 if request is not None:
                     fail(request, e)
                     self.free(row)
+            if joining is not None:
+                self.prefilling = None
+                fail(joining, e)
             return
+        logits = out if chunk is None else out[0][:n]
         # the greedy rows' tokens in one argmax over every row (an argmax a row cost more in all)
         greedy = (argmax(logits[:, -1]).tolist() if any(r is not None and r.temperature == 0 for r in self.rows)
                   else [None] * n)
@@ -300,6 +310,13 @@ class Scheduler:
             if request is not None:
                 self.positions[row] += 1
                 self.emit(row, logits[row: row + 1, -1], greedy[row])
+        if chunk is not None:
+            if wants_prompt_logprobs(joining):  # the chunk's states at the prompt's own positions
+                self.prompt_states.append(out[1][:, :chunk[2]])
+            if not self.chunks:  # its last: the logits at the prompt's last position
+                self.prefilling = None
+                self.join(joining, (out[0][n:], torch.cat(self.prompt_states, dim=1)) if self.prompt_states
+                          else out[0][n:])
 
     def emit(self, row: int, logits: Tensor, greedy: int | None = None):
         """Sample row's next token from its logits (1, V) (greedy: their argmax, where known), send it,
@@ -319,28 +336,29 @@ class Scheduler:
         self.free(row)
 
 
-def sharing_weights(model: Transformer) -> Transformer:
-    """A copy of model's modules holding the very same weight tensors (no memory for them), whose caches
-    are its own once set up: every tensor found on a module is shared, the modules themselves copied."""
-    memo = {}
-    for module in model.modules():
-        for t in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
-            if isinstance(t, Tensor):
-                memo[id(t)] = t
-    twin = copy.deepcopy(model, memo)
-    twin.max_batch_size = -1  # so that setup_caches makes caches of its own, not the shared ones
-    return twin
+def join_chunks(prompt: list[int], size: int) -> list[tuple[list[int], list[int], int]]:
+    """The chunks in which a prompt joins the running rows, `size` positions each (one compiled step):
+    (tokens, positions, how many of them are the prompt's). The last ends at the prompt's last position;
+    the first holds what is left of the prompt, then zeros, at positions that the next chunk writes again
+    (or, for a prompt shorter than a chunk, past its end, masked until decoding writes them)."""
+    first = len(prompt) - size * ((len(prompt) - 1) // size)
+    chunks = [(prompt[:first] + [0] * (size - first), list(range(size)), first)]
+    return chunks + [(prompt[p: p + size], list(range(p, p + size)), size) for p in range(first, len(prompt), size)]
 
 
-def copy_row(source: Transformer, target: Transformer, row: int, length: int):
-    """source's one-row caches (keys, values, their scales) for positions 0 .. length - 1 into target's row:
-    all of a sliding-window ring, whose slots are positions modulo its length."""
-    for src, dst in zip(source.layers, target.layers):
-        for name, buffer in src.attention.kv_cache.named_buffers():
+def wants_prompt_logprobs(request: Request) -> bool:
+    return request.echo and request.logprobs is not None
+
+
+def copy_row(model: Transformer, source: int, row: int, length: int):
+    """The caches' (keys, values, their scales) row source into row, positions 0 .. length - 1: all of a
+    sliding-window ring, whose slots are positions modulo its length."""
+    for layer in model.layers:
+        for buffer in layer.attention.kv_cache.buffers():
             n = min(length, buffer.shape[2])
-            getattr(dst.attention.kv_cache, name)[row, :, :n] = buffer[0, :, :n]
-    if hasattr(source, "ring_positions"):
-        target.ring_positions[row] = source.ring_positions[0]
+            buffer[row, :, :n] = buffer[source, :, :n]
+    if hasattr(model, "ring_positions"):
+        model.ring_positions[row] = model.ring_positions[source]
 
 
 def sample(request: Request, logits: Tensor, greedy: int | None = None) -> tuple[int, float | None, dict | None]:
@@ -730,7 +748,7 @@ def main(args):
                                        model.config.block_size)
         steps = compiled_steps(dynamic_prefill=True) if args.compile else decode.EAGER
         engine = Engine(model, args.max_batch, context, steps, args.prefill_chunk,
-                        KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision], world)
+                        KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision], world, args.join_chunk)
         if rank != 0:
             return engine.follow()
         scheduler = Scheduler(engine, args.max_batch, context)
@@ -780,11 +798,15 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help="default: --precision's")
     p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
-                   help="prompt positions a forward takes: a prompt goes in this many at a time between decode steps")
+                   help="prompt positions a forward takes while no other request runs")
+    p.add_argument("--join_chunk", type=int, default=JOIN_CHUNK,
+                   help="prompt positions a decode step of the running requests carries for a request joining them")
     p.add_argument("--log_level", default="warning", help="uvicorn's")
     args = p.parse_args(argv)
     if args.max_batch < 1:
         p.error("--max_batch must be at least 1")
+    if args.join_chunk < 1:
+        p.error("--join_chunk must be at least 1")
     if args.context is not None and args.context < 2:
         p.error("--context must be at least 2")
     return args

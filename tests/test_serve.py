@@ -38,16 +38,21 @@ PROMPTS = ["Tell me about Paris.", "Name three rivers of Europe.", "What is a pr
            "Explain recursion in one sentence.", "What is 12 times 7?", "Who wrote Hamlet?", "Describe a cat."]
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_requests_past_the_rows_wait_for_one_and_all_finish(rows):
-    """The scheduler alone (no HTTP): five requests at once for one row or two, prompts prefilled in
-    chunks of 4; each waits its turn and gets the greedy tokens generate() gives it alone."""
+@pytest.mark.parametrize("rows, window", [(1, None), (2, None), (2, 5)])
+def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
+    """The scheduler alone (no HTTP): five requests at once for one row or two, prompts prefilled in chunks
+    of 4, alone or carried by the decode steps of the rows running (with two rows), also through a
+    sliding-window ring; each waits its turn and gets the greedy tokens generate() gives it alone."""
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128)).eval()
-    prompts = [[(7 * i + j) % 64 for j in range(3 + i)] for i in range(5)]
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
+                                  sliding_window=window)).eval()
+    prompts = [[(7 * i + j) % 64 for j in range(3 + 2 * i)] for i in range(5)]
     alone_model = copy.deepcopy(model)
     expected = [generate(alone_model, torch.tensor(p), 6, temperature=0)[len(p):].tolist() for p in prompts]
-    scheduler = serve.Scheduler(serve.Engine(model, rows, 64, decode.EAGER, prefill_chunk=4), rows, 64)
+    engine = serve.Engine(model, rows, 64, decode.EAGER, prefill_chunk=4)
+    joined, step = [], engine.step
+    engine.step = lambda *args: joined.append(args[2:] != (None,)) or step(*args)
+    scheduler = serve.Scheduler(engine, rows, 64)
 
     async def ask_all() -> list[list[int]]:
         loop = asyncio.get_running_loop()
@@ -65,21 +70,32 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows):
         return answers
 
     assert asyncio.run(ask_all()) == expected
+    assert any(joined) == (rows > 1)  # prompts of up to 11 positions joined running rows 4 at a time
+
+
+def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
+    for length, size in [(1, 4), (4, 4), (5, 4), (36, 16), (3, 16)]:
+        prompt = list(range(100, 100 + length))
+        chunks = serve.join_chunks(prompt, size)
+        assert all(len(tokens) == len(positions) == size for tokens, positions, _ in chunks)
+        assert chunks[-1][1][chunks[-1][2] - 1] == length - 1  # the last chunk's prompt ends the prompt
+        assert [t for tokens, _, n in chunks for t in tokens[:n]] == prompt
+        assert [p for _, positions, n in chunks for p in positions[:n]] == list(range(length))
 
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels of its own on this CPU")
 def test_a_bf16_cpu_engine_steps_through_packed_weights():
-    """On a CPU with oneDNN's bf16 kernels the engine's model and its prefill twin read one packed copy of
-    each linear's weight (a step of several rows costs much less so): made once, shared, current. Their
-    attention keeps the compiled form, not the CPU's kernel (which measured slower under the server's load)."""
+    """On a CPU with oneDNN's bf16 kernels the engine's model reads a packed copy of each linear's weight (a
+    step of several rows costs much less so), current. Its attention keeps the compiled form, not the
+    CPU's kernel (which measured slower under the server's load)."""
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, head_dim=16,
                                   block_size=128))  # heads of 16: the CPU's attention kernel would take them
     model = model.to(torch.bfloat16).eval()
     cpu_decode.apply(model)
-    engine = serve.Engine(model, 4, 64, decode.EAGER)
-    linears = [(a, b) for a, b in zip(model.modules(), engine.twin.modules()) if isinstance(a, cpu_decode.FewRowLinear)]
-    assert linears and all(a.packed_is_current() and b.packed is a.packed for a, b in linears)
-    attentions = [m for net in (model, engine.twin) for m in net.modules() if isinstance(m, serve.Attention)]
+    serve.Engine(model, 4, 64, decode.EAGER)
+    linears = [m for m in model.modules() if isinstance(m, cpu_decode.FewRowLinear)]
+    assert linears and all(m.packed_is_current() for m in linears)
+    attentions = [m for m in model.modules() if isinstance(m, serve.Attention)]
     assert attentions and all(m.decode_kernel is None for m in attentions)
 
 
