@@ -287,10 +287,11 @@ class Scheduler:
         """One step of the first rows, up to the last running one, rounded up to a power of 2 (a few fixed
         shapes: one graph each, compiled), then each running row's next token. A request takes the first
         free row, so that the rows stepped stay few while few run: the step's time grows with its rows.
-        The step carries the joining prompt's next chunk, if any; after its last, the request takes its row."""
-        last = max(row for row, request in enumerate(self.rows) if request is not None)
-        n = min(1 << last.bit_length(), len(self.rows))
+        The step carries the joining prompt's next chunk, if any (then it steps every row: one more compiled
+        shape, not four); after its last, the request takes its row."""
         joining, chunk = self.prefilling, self.chunks.pop(0) if self.prefilling else None
+        last = max(row for row, request in enumerate(self.rows) if request is not None)
+        n = len(self.rows) if chunk else min(1 << last.bit_length(), len(self.rows))
         try:
             out = self.engine.call("step", self.tokens[:n], self.positions[:n], chunk)
         except Exception as e:  # noqa: BLE001 - the rows running now fail; the server goes on

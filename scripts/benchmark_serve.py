@@ -131,8 +131,9 @@ def main(args):
     try:
         base = f"http://127.0.0.1:{port}"
         model = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"]
-        # warm: with --compile, each step shape compiles the first time its rows run (1, 2, 4, ... rows)
-        load(base, model, max(args.clients), 1, 8, tokenizer)
+        # warm: with --compile, each step shape compiles the first time its rows run (1, 2, 4, ... rows), and
+        # answers long enough that every client's runs beside the others' (prompts join a chunk a step)
+        load(base, model, max(args.clients), 1, args.max_tokens, tokenizer)
         rows += measure("ours", base, model, args, tokenizer)
     finally:
         ours.terminate()
