@@ -158,6 +158,18 @@ class Engine:
     def join(self, row: int, length: int):
         copy_row(self.model, self.prompt_row, row, length)
 
+    @torch.no_grad()
+    def warm(self):
+        """Every shape of step once, before the first request (the scheduler's row counts, a step carrying a
+        chunk, a prompt alone), so that compiled code compiles each now and not mid-stream under load, where
+        each stalled every stream for as long as it took. Rows at position 0 write only slots that a request
+        taking the row writes again."""
+        rows = self.prompt_row
+        for n in sorted({min(1 << row.bit_length(), rows) for row in range(rows)}):
+            self.step([0] * n, [0] * n)
+        self.step([0] * rows, [0] * rows, join_chunks([0], self.join_chunk)[0])
+        self.prefill([0, 0], False)
+
     def step(self, tokens: list[int], positions: list[int], chunk: tuple[list[int], list[int], int] | None = None):
         """One decode step of the cache's first len(tokens) rows: logits (len(tokens), 1, V). With a chunk of
         a joining prompt (join_chunks), the same forward writes it into the prompt row: then (the logits and
@@ -752,6 +764,9 @@ def main(args):
                         KV_CACHE_DTYPES[args.kv_cache_dtype or args.precision], world, args.join_chunk)
         if rank != 0:
             return engine.follow()
+        if args.compile:
+            print("compiling every shape of step first (minutes on a CPU)", file=sys.stderr)
+            engine.call("warm")  # and so does every other rank
         scheduler = Scheduler(engine, args.max_batch, context)
         name = args.model_name or checkpoint_path.parent.name
         service = Service(scheduler, get_tokenizer(checkpoint_path), name)

@@ -42,7 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def started(command: list[str], url: str, seconds: float = 300) -> subprocess.Popen:
+def started(command: list[str], url: str, seconds: float = 900) -> subprocess.Popen:
     """A server process, once it answers url. Its log goes to a file: a pipe nobody reads fills up and
     stops the server (llama.cpp logs its whole model loading)."""
     log = tempfile.TemporaryFile("w+")

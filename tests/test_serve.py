@@ -7,6 +7,7 @@ input is an OpenAI error object and the server goes on; a bounded load loses not
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -81,6 +82,22 @@ def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
         assert chunks[-1][1][chunks[-1][2] - 1] == length - 1  # the last chunk's prompt ends the prompt
         assert [t for tokens, _, n in chunks for t in tokens[:n]] == prompt
         assert [p for _, positions, n in chunks for p in positions[:n]] == list(range(length))
+
+
+def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
+    """Engine.warm (serve.py --compile) steps each row count the scheduler uses, a step carrying a prompt's
+    chunk and a prompt alone: compiled code then compiles none of them mid-stream."""
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128)).eval()
+    shapes = []
+
+    def recorded(name, step):
+        return lambda model, x, *args: shapes.append((name, tuple(x.shape))) or step(model, x, *args)
+
+    steps = dataclasses.replace(decode.EAGER, target_step=recorded("step", decode.target_step),
+                                joined_step=recorded("joined", decode.joined_step),
+                                prefill_chunk=recorded("prefill", decode.prefill_chunk))
+    serve.Engine(model, 3, 64, steps).warm()
+    assert shapes == [("step", (1, 1)), ("step", (2, 1)), ("step", (3, 1)), ("joined", (3, 1)), ("prefill", (1, 2))]
 
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels of its own on this CPU")
