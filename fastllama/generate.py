@@ -275,9 +275,9 @@ def check_generate_args(prompts, max_new_tokens, temperature, top_k, top_p, conf
 
 def compiled_steps(dynamic_prefill: bool = False) -> decode.Steps:
     """decode's steps compiled: the one-token step, speculative decoding's verify, draft-model and
-    draft-head steps, and a server's joined step with fixed shapes (CUDA graphs on GPU); prefill's forward of one chunk, with
-    dynamic_prefill, for any chunk length (else eager). Each compiles on its first call, for any model.
-    The same object for the same argument."""
+    draft-head steps, and a server's joined step with fixed shapes (CUDA graphs on GPU); prefill's forward
+    of one chunk, with dynamic_prefill, for any chunk length (else eager). Each compiles on its first call,
+    for any model. The same object for the same argument."""
     return compiled_once(bool(dynamic_prefill))
 
 

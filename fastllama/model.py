@@ -237,7 +237,8 @@ class Transformer(nn.Module):
 
     def hidden_states(self, idx: Tensor, input_pos: Tensor, key_positions: Tensor | None = None,
                       tree: Tensor | None = None, first: int = 0) -> Tensor:
-        """The last layer's output (B, T, dim), writing the KV cache's rows first .. first + B - 1 at input_pos (B, T)."""
+        """The last layer's output (B, T, dim), writing the KV cache's rows first .. first + B - 1 at
+        input_pos (B, T)."""
         return self.blocks(self.tok_embeddings(idx) * self.embedding_scale, input_pos, key_positions, tree, first)
 
     def packed_states(self, groups: list[tuple[Tensor, Tensor, Tensor, int]]) -> list[Tensor]:
@@ -420,9 +421,10 @@ class Attention(nn.Module):
         return "folded" if self.n_head > self.n_local_heads else "fused"
 
     def attend_cache(self, q: Tensor, mask: Tensor, first: int = 0) -> Tensor:
-        """attend() over the first mask.shape[-1] slots of the cache's rows from `first`. A decode or verify step (up to decode_rows query
-        rows a key/value head) goes through the device's kernel where it has one (cpu_decode.py, kernels.py),
-        which reads the cache as it is stored; soft-capped scores and longer forwards are read back here."""
+        """attend() over the first mask.shape[-1] slots of the cache's rows from `first`. A decode or verify step
+        (up to decode_rows query rows a key/value head) goes through the device's kernel where it has one
+        (cpu_decode.py, kernels.py), which reads the cache as it is stored; soft-capped scores and longer
+        forwards are read back here."""
         B, nh, T, hd = q.shape
         rows = self.n_head // self.n_local_heads * T
         # T is symbolic in prefill, compiled with dynamic shapes: no guard on it
