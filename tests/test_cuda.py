@@ -220,6 +220,27 @@ def test_scaled_kv_caches_stay_near_the_bf16_one(kv_cache_dtype):
     assert_greedy_up_to_rounding(model, tokens, 40)  # the eager forward on the same scaled cache
 
 
+@torch.no_grad()
+def test_a_server_step_carrying_a_prompt_is_a_plain_step_and_its_prefill():
+    """serve.py's step that carries a joining prompt's chunk, compiled (CUDA graphs, every shape warmed first;
+    the chunk's attention in kernels.py's kernel, over the cache's extra row): the running rows' logits are a
+    plain step's, and the prompt's last logits its prefill alone's (fp32)."""
+    from fastllama import serve
+    model = random_model(torch.float32)
+    engine = serve.Engine(model, 2, 512, compiled_steps(dynamic_prefill=True), join_chunk=8)
+    engine.warm()
+    a, b = (p.tolist() for p in prompts([20, 13]))
+    engine.prefill(a, False)
+    engine.join(0, len(a))
+    plain = engine.step([a[-1], 0], [len(a), 0])  # row 1 free: at position 0, as the scheduler steps it
+    joined = [engine.step([a[-1], 0], [len(a), 0], chunk) for chunk in serve.join_chunks(b, 8)]
+    alone = engine.prefill(b, False)
+    assert len(joined) == 2
+    for logits, _ in joined:
+        torch.testing.assert_close(logits[:2], plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(joined[-1][0][2:], alone, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("n_kv", [1, 2, 8])
 @pytest.mark.parametrize("T", [1, 6, 200])
 @torch.no_grad()
