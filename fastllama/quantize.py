@@ -38,7 +38,7 @@ from .checkpoint import (Group, Spec, copy_companions, load_config, read_metadat
 from . import cpu_decode
 from .cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
 from .errors import UserError, run_cli
-from .model import KVCache, ModelArgs, Transformer, TransformerBlock, attention_mask, rope_tables
+from .model import KVCache, ModelArgs, Rows, Transformer, TransformerBlock, attention_mask, rope_tables
 from .moe import ExpertLinears
 from .tokenizer import load_tokenizer
 
@@ -743,7 +743,8 @@ class GPTQ:
             # a cache of the rows at hand: the last part of the samples may be fewer than 8
             block.attention.kv_cache = KVCache(x.shape[0], T, c.n_local_heads, c.head_dim, torch.float32)
             input_pos = torch.arange(T).expand(x.shape[0], T)  # also the position in each cache slot
-            outputs.append(block(x, input_pos, rope[input_pos], attention_mask(input_pos, input_pos, window)))
+            rows = Rows(0, input_pos, rope[input_pos], attention_mask(input_pos, input_pos, window))
+            outputs.append(block(x, [rows]))
         return torch.cat(outputs)
 
 
