@@ -17,6 +17,10 @@ from .model import Transformer, rows_at
 
 # a forward reads the caches' slots in blocks of this many: those below its last position, rounded up
 KV_BLOCK = 256
+# ... and on a CPU in finer ones: its compiled code takes the length as a symbol, with no CUDA graph per
+# block count to keep few, so a short text's steps read less (benchmarks/RESULTS.md, "Finer key blocks
+# on a CPU")
+CPU_KV_BLOCK = 32
 
 
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -195,21 +199,23 @@ EAGER = Steps()
 
 def key_positions(model: Transformer, n: int, rows: int | None = None) -> Tensor:
     """The cache slots a forward reads when all its positions lie below n: the first n slots of the
-    full caches, rounded up to a block of KV_BLOCK (at most all of them), as the positions they hold
-    (B, n'), for the first `rows` rows (None: all). So a step's cost follows the depth, and a cache sized
-    for the whole context does not slow a short text. The length is marked dynamic: compiled code makes
-    one graph for every depth (on GPU, CUDA graphs record one replay per block count, without recompiling)."""
-    keys = model.positions[:rows, : padded_length(n, model.max_seq_length)]
+    full caches, rounded up to a block of KV_BLOCK (CPU_KV_BLOCK on a CPU; at most all of them), as the
+    positions they hold (B, n'), for the first `rows` rows (None: all). So a step's cost follows the
+    depth, and a cache sized for the whole context does not slow a short text. The length is marked
+    dynamic: compiled code makes one graph for every depth (on GPU, CUDA graphs record one replay per
+    block count, without recompiling)."""
+    block = CPU_KV_BLOCK if model.positions.device.type == "cpu" else KV_BLOCK
+    keys = model.positions[:rows, : padded_length(n, model.max_seq_length, block)]
     torch._dynamo.maybe_mark_dynamic(keys, 1)
     return keys
 
 
-def padded_length(n: int, context: int) -> int:
-    """Cache length for n positions: rounded up to whole blocks of KV_BLOCK, never past the model's
+def padded_length(n: int, context: int, block: int = KV_BLOCK) -> int:
+    """Cache length for n positions: rounded up to whole blocks of `block`, never past the model's
     context length. Nearby lengths share one compiled decode graph, and the cache's reads
     (key_positions) are whole blocks up to the context: on a GPU a part block read slowly
     (benchmarks/RESULTS.md, "A third GPU session")."""
-    return min(-(-n // KV_BLOCK) * KV_BLOCK, context)
+    return min(-(-n // block) * block, context)
 
 
 def until_stop(new_tokens: Tensor, stop_ids: list[int] | None) -> Tensor:

@@ -69,7 +69,7 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
     for depth in (20, 300, 399, 260):
         pos = torch.tensor([[depth], [20]])
         keys = decode.key_positions(model, depth + 1)
-        assert keys.shape[1] == min(-(-(depth + 1) // decode.KV_BLOCK) * decode.KV_BLOCK, 400)
+        assert keys.shape[1] == min(-(-(depth + 1) // decode.CPU_KV_BLOCK) * decode.CPU_KV_BLOCK, 400)
         eager = model(x, pos).argmax(-1)
         assert torch.equal(step(model, x, pos, keys), eager)
     assert len(graphs) == 1
