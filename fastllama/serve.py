@@ -98,9 +98,9 @@ class Request:
 
 
 # prompt positions a decode step carries for a prompt joining the running rows (Scheduler.decode_step):
-# more make the step slower for every running stream, fewer make a prompt wait more steps for its row
-# (benchmarks/RESULTS.md, "Prompts carried by decode steps")
-JOIN_CHUNK = 8
+# more make the step slower for every running stream, fewer make a prompt wait more steps for its row, idle
+# meanwhile (benchmarks/RESULTS.md, "Prompts carried by decode steps", "Joining prompts 16 positions a step")
+JOIN_CHUNK = 16
 
 
 class Engine:
