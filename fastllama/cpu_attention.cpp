@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // positions a task reads: one KV block of decode.py
+constexpr int64_t CHUNK = 256;  // positions a task reads
 constexpr int ROWS = 4;         // query rows that one pass over a chunk's keys and values serves
 constexpr int64_t AHEAD = 16;  // positions ahead of the one being read that are fetched (prefetch_row)
 constexpr int KEYS = 4;         // keys whose dot products are computed, and summed across lanes, together
@@ -78,6 +78,23 @@ inline void prefetch_row(const Element* row, int64_t hd) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
 
+// An int8 or fp8 cache's scales for one row and head, read where they lie (the model's dtype, a stride a
+// position): no fp32 copy of them a call
+struct Scales {
+  const void* p = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t stride = 0;
+
+  explicit operator bool() const { return p != nullptr; }
+  float operator[](int64_t s) const {
+    switch (dtype) {
+      case at::kBFloat16: return float(static_cast<const at::BFloat16*>(p)[s * stride]);
+      case at::kHalf: return float(static_cast<const at::Half*>(p)[s * stride]);
+      default: return static_cast<const float*>(p)[s * stride];
+    }
+  }
+};
+
 // What a task shares with the rest: which positions a step position sees, and its scores.
 struct Chunk {
   const bool* mask;  // the row's mask (1, T, S) and its strides
@@ -98,7 +115,7 @@ struct Chunk {
 // Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (key_scales: a scale a position, or none), and
 // their largest. Row r is query head r / T of the group at the step's position r % T.
 template <int Rows, typename Element>
-void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const float* key_scales, float scale) {
+void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const Scales& key_scales, float scale) {
   float best[Rows];
   for (int r = 0; r < Rows; r++) best[r] = c.max[r0 + r];
   for (int64_t i0 = 0; i0 < c.n; i0 += KEYS) {
@@ -144,7 +161,7 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
 // in registers over all the positions: each value read once for those rows. weights: (R, CHUNK).
 template <int Rows, int Width, typename Element>
 void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, const Element* values,
-                  int64_t value_stride, const float* value_scales, float* out) {
+                  int64_t value_stride, const Scales& value_scales, float* out) {
   __m512 acc[Rows][Width];
   for (int r = 0; r < Rows; r++)
     for (int x = 0; x < Width; x++) acc[r][x] = _mm512_setzero_ps();
@@ -169,7 +186,7 @@ void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, 
 
 template <int Rows, typename Element>
 void weigh_all_values(const Chunk& c, int64_t r0, const float* weights, const Element* values, int64_t value_stride,
-                      const float* value_scales, float* out) {
+                      const Scales& value_scales, float* out) {
   int64_t d0 = 0;
   for (; d0 + 64 <= c.hd; d0 += 64) weigh_values<Rows, 4>(c, r0, d0, weights, values, value_stride, value_scales, out);
   switch ((c.hd - d0) / 16) {
@@ -188,17 +205,22 @@ void weigh_all_values(const Chunk& c, int64_t r0, const float* weights, const El
     default: call(4); break;              \
   }
 
+// row b, head h's scales (a tensor (>= B, H, >= S, 1)), or none
+inline Scales scales_of(const c10::optional<at::Tensor>& scales, int64_t b, int64_t h) {
+  Scales out;
+  if (scales) {
+    out.p = static_cast<const char*>(scales->data_ptr()) + (b * scales->stride(0) + h * scales->stride(1)) * scales->element_size();
+    out.dtype = scales->scalar_type();
+    out.stride = scales->stride(2);
+  }
+  return out;
+}
+
 template <typename Element>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scales,
             const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), hd = q.size(3), T = mask.size(2), S = mask.size(3);
   const int64_t chunks = (S + CHUNK - 1) / CHUNK, tasks = B * H * chunks;
-  // scales in fp32, (B, H, S) contiguous: S numbers a head, beside S rows of hd elements
-  at::Tensor kscale, vscale;
-  if (k_scales) {
-    kscale = k_scales->narrow(0, 0, B).narrow(2, 0, S).squeeze(-1).to(at::kFloat).contiguous();
-    vscale = v_scales->narrow(0, 0, B).narrow(2, 0, S).squeeze(-1).to(at::kFloat).contiguous();
-  }
   // what each task leaves for each row: the largest score of its chunk, the sum of exp(score - max) and
   // the values weighed by exp(score - max); the chunks are merged afterwards
   std::vector<float> maxes(tasks * R, -INF), sums(tasks * R), accs(tasks * R * hd);
@@ -212,8 +234,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                     maxes.data() + task * R};
       const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
-      const float* key_scales = k_scales ? kscale.data_ptr<float>() + (b * H + h) * S : nullptr;
-      const float* value_scales = k_scales ? vscale.data_ptr<float>() + (b * H + h) * S : nullptr;
+      const Scales key_scales = scales_of(k_scales, b, h), value_scales = scales_of(v_scales, b, h);
       for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), key_scales, scale)
         FOR_ROWS(R - r0, SCORE)

@@ -173,6 +173,28 @@ def decode_attention_kernel(name: str) -> tuple:
     return kernels.decode_attention, kernels.ATTENTION_ROWS
 
 
+@needs_kernel
+@pytest.mark.parametrize("store", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("scales", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_the_cpu_kernel_reads_a_scaled_caches_scales_in_the_models_dtype(store, scales):
+    """A bf16 or fp16 model's cache keeps its scales in that dtype, which the CPU kernel reads where they lie:
+    the same result as from the same scales in fp32 (exactly: each converts to fp32 without loss)."""
+    torch.manual_seed(0)
+    B, n_kv, group, hd, length, S = 2, 3, 3, 64, 300, 280
+    cache = KVCache(B, length, n_kv, hd, scales, store_dtype=store)
+    positions = torch.arange(length).expand(B, -1)
+    cache.write(positions, *(torch.randn(B, length, n_kv, hd, dtype=scales) for _ in "kv"))
+    mask = attention_mask(torch.tensor([[270], [40]]), positions[:, :S])
+    q = torch.randn(B, n_kv, group, hd)
+    kernel = cpu_decode.attention_kernel()
+    ours = kernel(q, cache.k_cache, cache.v_cache, cache.k_scales, cache.v_scales, mask, 0.125)
+    fp32 = kernel(q, cache.k_cache, cache.v_cache, cache.k_scales.float(), cache.v_scales.float(), mask, 0.125)
+    assert torch.equal(ours, fp32)
+    assert relative_error(ours, kernel(q, cache.k_cache, cache.v_cache, cache.k_scales.float() * 1.01,
+                                       cache.v_scales.float(), mask, 0.125)) > 1e-4  # the scales are read
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("cpu", marks=needs_kernel), "triton"])
 @pytest.mark.parametrize("store", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("B, n_kv, group, T, hd", [(1, 3, 3, 1, 64), (3, 2, 1, 1, 128), (2, 1, 4, 3, 80),
