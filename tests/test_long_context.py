@@ -65,7 +65,7 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
     model, _ = filled_model([300, 20])
     step, graphs = counted_decode_step(model)
     x = torch.tensor([[3], [4]])
-    # depths in three blocks, up to the whole cache (400 slots: the block at 300 is cut to them)
+    # depths in four blocks of a CPU's reads, up to the whole cache (400 slots: the block at 399 is cut to them)
     for depth in (20, 300, 399, 260):
         pos = torch.tensor([[depth], [20]])
         keys = decode.key_positions(model, depth + 1)
