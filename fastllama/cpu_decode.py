@@ -268,7 +268,10 @@ class FewRowLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
-        if self.packed_is_current() and x.dtype == torch.bfloat16 and not (few and x.shape[:-1].numel() <= LOOP_ROWS):
+        # a symbolic row count (a batch of prompts' last positions, compiled for any batch) is not asked:
+        # a guard on it would give a batch of each size a graph of its own
+        loop = few and statically_known_true(x.shape[:-1].numel() <= LOOP_ROWS)
+        if self.packed_is_current() and x.dtype == torch.bfloat16 and not loop:
             return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
         if few:
             y = few_rows_product(x, self.weight)

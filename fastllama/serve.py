@@ -8,13 +8,16 @@ POST /v1/completions (with echo and logprobs, as lm-eval's local-completions sco
 GET /v1/models, GET /health; `stream` answers with server-sent events ending in `data: [DONE]`.
 
 One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows, and
-one more (HTTP runs in another thread). A request waits for a free row; its prompt goes into the extra
-row, --join_chunk positions at a time, each chunk carried by a decode step of the rows already running
-(one forward reads the weights once for both, and their streams keep flowing), and is then copied into
-its row; with no row running, a prompt goes in alone, --prefill_chunk positions a forward. Every decode
-step runs the rows in use at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each
-compiled once, before the first request: CUDA graphs on a GPU); each row samples with its own settings and
-random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request
+one more (HTTP runs in another thread). A request waits for a free row. Prompts waiting, when there are
+at least as many as rows running (a burst, or any while nothing runs), are prefilled together in one
+batch into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded);
+otherwise a prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a
+decode step of the rows already running (one forward reads the weights once for both, and their streams
+keep flowing), and is then copied into its row. The running requests are kept in the cache's first rows
+(a request's cache moves down into a row freed below it), and every decode step runs them at once, as the
+first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once, before the first request:
+CUDA graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that
+no mix of requests recompiles it. A row is freed when its request
 ends: a stop token, max_tokens, a stop string (the HTTP side finds those in the text), or a client gone
 away. In fp32 a greedy request gets the tokens it gets alone, whatever else runs beside it: each row's
 numbers are computed the same whatever the others hold. An error in one request answers that request,
@@ -113,7 +116,7 @@ class Engine:
     def __init__(self, model: Transformer, max_batch: int, context: int, steps: decode.Steps,
                  prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None, world: int = 1,
                  join_chunk: int = JOIN_CHUNK):
-        self.model, self.steps, self.world = model, steps, world
+        self.model, self.steps, self.world, self.prefill_chunk = model, steps, world, prefill_chunk
         self.device = next(model.parameters()).device
         self.prompt_row = max_batch  # the extra row, a joining prompt's
         # a chunk's positions all lie in the context, and a sliding-window ring takes them in one forward
@@ -149,26 +152,29 @@ class Engine:
             except Exception:  # noqa: BLE001 - rank 0 met it too, and answers the request that met it
                 pass
 
-    def prefill(self, prompt: list[int], states: bool):
-        """The whole prompt into the prompt row (no row is running): decode.prefill_logits' result."""
-        ids = torch.tensor([prompt], device=self.device)
-        lengths = torch.tensor([len(prompt)], device=self.device)
-        return decode.prefill_logits(self.model, ids, lengths, self.steps, states, first=self.prompt_row)
+    def prefill(self, prompts: list[list[int]], states: bool):
+        """The prompts, whole, into the cache's first rows, one each, in one batch: decode.prefill_logits'
+        result. Always from row 0, so that compiled prefill sees one row number (Scheduler.prefill_together)."""
+        ids = decode.right_padded([torch.tensor(p) for p in prompts], max(map(len, prompts)), self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        return decode.prefill_logits(self.model, ids, lengths, self.steps, states)
 
-    def join(self, row: int, length: int):
-        copy_row(self.model, self.prompt_row, row, length)
+    def copy(self, source: int, row: int, length: int):
+        """The cache's row source, its first length positions, into row (a joined prompt's, a moved request's)."""
+        copy_row(self.model, source, row, length)
 
     @torch.no_grad()
     def warm(self):
         """Every shape of step once, before the first request (the scheduler's row counts, a step carrying a
-        chunk, a prompt alone), so that compiled code compiles each now and not mid-stream under load, where
-        each stalled every stream for as long as it took. Rows at position 0 write only slots that a request
-        taking the row writes again."""
+        chunk, one prompt prefilled and several), so that compiled code compiles each now and not mid-stream
+        under load, where each stalled every stream for as long as it took. Rows at positions 0 and 1 write
+        only slots that a request taking the row writes again before it reads them."""
         rows = self.prompt_row
         for n in sorted({min(1 << row.bit_length(), rows) for row in range(rows)}):
             self.step([0] * n, [0] * n)
         self.step([0] * rows, [0] * rows, join_chunks([0], self.join_chunk)[0])
-        self.prefill([0, 0], False)
+        for batch in sorted({1, min(2, rows)}):  # one prompt, and several: compiled prefill specializes one row
+            self.prefill([[0, 0]] * batch, False)
 
     def step(self, tokens: list[int], positions: list[int], chunk: tuple[list[int], list[int], int] | None = None):
         """One decode step of the cache's first len(tokens) rows: logits (len(tokens), 1, V). With a chunk of
@@ -223,12 +229,18 @@ class Scheduler:
         while not self.stopping:
             self.take_waiting(block=not (any(self.rows) or self.prefilling or self.pending))
             self.drop_cancelled()
+            self.pack()
+            running = len(self.rows) - self.rows.count(None)
+            if not running and self.prefilling is not None:  # the rows it was joining have all ended
+                self.pending.insert(0, self.prefilling)
+                self.prefilling = None
+            if group := self.together(running):
+                self.prefill_together(group, running)
+                continue
             if self.prefilling is None and None in self.rows:
                 self.start_prefill()
-            if any(self.rows):
+            if running:
                 self.decode_step()  # with the joining prompt's next chunk
-            elif self.prefilling is not None:  # alone (or left alone), a prompt goes in in one go
-                self.prefill_alone()
         self.engine.call("stop")
         self.closed = True  # what comes from now on is refused where it is submitted
         shutting = APIError(503, "the server is shutting down: send the request again once it is back")
@@ -267,38 +279,77 @@ class Scheduler:
         self.rows[row] = None
         self.tokens[row] = self.positions[row] = 0
 
+    def pack(self):
+        """Requests end in any order: the last running rows move into the free rows below them, so that the
+        running rows are always the first ones (a step runs the first 1, 2, 4, ... rows)."""
+        running = [row for row, request in enumerate(self.rows) if request is not None]
+        for source, row in zip(reversed(running), [row for row, request in enumerate(self.rows) if request is None]):
+            if source < row:
+                return
+            self.move(source, row)
+
+    def move(self, source: int, row: int):
+        self.engine.call("copy", source, row, self.positions[source])
+        self.rows[row], self.tokens[row], self.positions[row] = (self.rows[source], self.tokens[source],
+                                                                 self.positions[source])
+        self.free(source)
+
+    def together(self, running: int) -> list[Request]:
+        """The waiting requests, in order, that free rows take now, prefilled together (one free row stays for
+        a prompt joining by chunks), as long as padding their prompts to the longest adds at most as many
+        positions as they have: all that fit when no row runs; while some do, only as many as run or more,
+        and at most --prefill_chunk positions padded, a bound on the running rows' wait."""
+        group, longest, total = [], 0, 0
+        for request in self.pending[: self.rows.count(None) - (self.prefilling is not None)]:
+            n = len(request.prompt)
+            if group and (len(group) + 1) * max(longest, n) > 2 * (total + n):
+                break
+            group, longest, total = group + [request], max(longest, n), total + n
+        if running and (len(group) < running or len(group) * longest > self.engine.prefill_chunk):
+            return []
+        return group
+
+    def prefill_together(self, group: list[Request], running: int):
+        """As many waiting prompts as rows run, or more (a burst of requests, or none running): prefilled
+        together in one batch, into the cache's first rows (the running ones move above them), while the
+        running rows wait for it: joining by chunks, one prompt a few steps at a time, would leave most rows
+        idle meanwhile (benchmarks/RESULTS.md, "Prompts prefilled together")."""
+        self.pending = self.pending[len(group):]
+        above = range(max(running, len(group)), running + len(group))  # free rows (the running ones are the first)
+        for source, row in zip(range(min(running, len(group))), above):
+            self.move(source, row)
+        try:
+            result = self.engine.call("prefill", [r.prompt for r in group], any(map(wants_prompt_logprobs, group)))
+        except Exception as e:  # noqa: BLE001 - these requests' failure is their own answer, not the server's end
+            for request in group:
+                fail(request, e)
+            return
+        logits, states = result if isinstance(result, tuple) else (result, None)
+        for row, request in enumerate(group):
+            own = states[row: row + 1, : len(request.prompt)] if wants_prompt_logprobs(request) else None
+            self.start(row, request, logits[row: row + 1, -1], own)
+
     def start_prefill(self):
         if self.pending:
             self.prefilling = self.pending.pop(0)
             self.chunks, self.prompt_states = join_chunks(self.prefilling.prompt, self.engine.join_chunk), []
 
-    def prefill_alone(self):
-        """The prompt in one go (from its start, where it had begun to join rows that have all ended since)."""
-        request, self.prefilling = self.prefilling, None
-        try:
-            result = self.engine.call("prefill", request.prompt, wants_prompt_logprobs(request))
-        except Exception as e:  # noqa: BLE001 - one request's failure is its own answer, not the server's end
-            return fail(request, e)
-        self.join(request, result)
-
-    def join(self, request: Request, result):
-        """The prefilled request: its cache into a free row, its prompt's logprobs if asked, its first token."""
-        logits, states = result if isinstance(result, tuple) else (result, None)
+    def start(self, row: int, request: Request, logits: Tensor, states: Tensor | None):
+        """The request, prefilled into row: its prompt's logprobs if asked (states: its last layer's output
+        there), its first token (from logits (1, V))."""
         if states is not None:  # the output head is whole on every rank: rank 0 alone computes them
             prompt_logprobs(request, self.engine.model.logits(states)[0].float().log_softmax(-1))
-        row = self.rows.index(None)
-        self.engine.call("join", row, len(request.prompt))
         self.rows[row] = request
         self.positions[row] = len(request.prompt)
         if request.max_tokens > 0:
-            self.emit(row, logits[:, -1])
+            self.emit(row, logits)
         else:
             self.finish(row, "length")
 
     def decode_step(self):
         """One step of the first rows, up to the last running one, rounded up to a power of 2 (a few fixed
-        shapes: one graph each, compiled), then each running row's next token. A request takes the first
-        free row, so that the rows stepped stay few while few run: the step's time grows with its rows.
+        shapes: one graph each, compiled), then each running row's next token. The running rows are the
+        first ones (pack), so that the rows stepped stay few while few run: the step's time grows with them.
         The step carries the joining prompt's next chunk, if any (then it steps every row: one more compiled
         shape, not four); after its last, the request takes its row."""
         joining, chunk = self.prefilling, self.chunks.pop(0) if self.prefilling else None
@@ -326,10 +377,11 @@ class Scheduler:
         if chunk is not None:
             if wants_prompt_logprobs(joining):  # the chunk's states at the prompt's own positions
                 self.prompt_states.append(out[1][:, :chunk[2]])
-            if not self.chunks:  # its last: the logits at the prompt's last position
-                self.prefilling = None
-                self.join(joining, (out[0][n:], torch.cat(self.prompt_states, dim=1)) if self.prompt_states
-                          else out[0][n:])
+            if not self.chunks:  # its last: the logits at the prompt's last position; its cache into a free row
+                self.prefilling, row = None, self.rows.index(None)
+                self.engine.call("copy", self.engine.prompt_row, row, len(joining.prompt))
+                self.start(row, joining, out[0][n:, -1],
+                           torch.cat(self.prompt_states, dim=1) if self.prompt_states else None)
 
     def emit(self, row: int, logits: Tensor, greedy: int | None = None):
         """Sample row's next token from its logits (1, V) (greedy: their argmax, where known), send it,
@@ -814,7 +866,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help="default: --precision's")
     p.add_argument("--prefill_chunk", type=int, default=PREFILL_CHUNK,
-                   help="prompt positions a forward takes while no other request runs")
+                   help="prompt positions a prefill forward takes; while requests run, the most (padded) that "
+                        "prompts prefilled together make them wait for")
     p.add_argument("--join_chunk", type=int, default=JOIN_CHUNK,
                    help="prompt positions a decode step of the running requests carries for a request joining them")
     p.add_argument("--log_level", default="warning", help="uvicorn's")

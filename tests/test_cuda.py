@@ -230,11 +230,10 @@ def test_a_server_step_carrying_a_prompt_is_a_plain_step_and_its_prefill():
     engine = serve.Engine(model, 2, 512, compiled_steps(dynamic_prefill=True), join_chunk=8)
     engine.warm()
     a, b = (p.tolist() for p in prompts([20, 13]))
-    engine.prefill(a, False)
-    engine.join(0, len(a))
+    engine.prefill([a], False)  # into row 0
     plain = engine.step([a[-1], 0], [len(a), 0])  # row 1 free: at position 0, as the scheduler steps it
     joined = [engine.step([a[-1], 0], [len(a), 0], chunk) for chunk in serve.join_chunks(b, 8)]
-    alone = engine.prefill(b, False)
+    alone = engine.prefill([b], False)
     assert len(joined) == 2
     for logits, _ in joined:
         torch.testing.assert_close(logits[:2], plain, rtol=1e-4, atol=1e-4)

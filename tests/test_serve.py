@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fastllama import cpu_decode, decode, serve
-from fastllama.generate import generate, get_tokenizer
+from fastllama.generate import compiled_steps, generate, get_tokenizer
 from fastllama.model import ModelArgs, Transformer
 
 
@@ -39,25 +39,32 @@ PROMPTS = ["Tell me about Paris.", "Name three rivers of Europe.", "What is a pr
            "Explain recursion in one sentence.", "What is 12 times 7?", "Who wrote Hamlet?", "Describe a cat."]
 
 
-@pytest.mark.parametrize("rows, window", [(1, None), (2, None), (2, 5)])
+@pytest.mark.parametrize("rows, window", [(1, None), (3, None), (3, 5)])
 def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
-    """The scheduler alone (no HTTP): five requests at once for one row or two, prompts prefilled in chunks
-    of 4, alone or carried by the decode steps of the rows running (with two rows), also through a
-    sliding-window ring; each waits its turn and gets the greedy tokens generate() gives it alone."""
+    """The scheduler alone (no HTTP): seven requests at once for one row or three, of several lengths, so that
+    rows end at other times; their prompts prefilled together, into free rows (several at once with nothing
+    running, the running rows moving above them), or in chunks of 4 carried by the decode steps of the rows
+    running (with three rows), also through a sliding-window ring; each waits its turn and gets the greedy
+    tokens generate() gives it alone."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128,
                                   sliding_window=window)).eval()
-    prompts = [[(7 * i + j) % 64 for j in range(3 + 2 * i)] for i in range(5)]
+    prompts = [[(7 * i + j) % 64 for j in range(3 + 2 * i)] for i in range(7)]
+    lengths = [6, 3, 5, 6, 2, 4, 6]
     alone_model = copy.deepcopy(model)
-    expected = [generate(alone_model, torch.tensor(p), 6, temperature=0)[len(p):].tolist() for p in prompts]
-    engine = serve.Engine(model, rows, 64, decode.EAGER, prefill_chunk=4)
-    joined, step = [], engine.step
+    expected = [generate(alone_model, torch.tensor(p), n, temperature=0)[len(p):].tolist()
+                for p, n in zip(prompts, lengths)]
+    engine = serve.Engine(model, rows, 64, decode.EAGER, prefill_chunk=16, join_chunk=4)
+    joined, prefilled, step, prefill = [], [], engine.step, engine.prefill
     engine.step = lambda *args: joined.append(args[2:] != (None,)) or step(*args)
+    # how many prompts each prefill takes, and how many rows were running meanwhile
+    engine.prefill = lambda prompts, states: (prefilled.append((len(prompts), rows - scheduler.rows.count(None)))
+                                              or prefill(prompts, states))
     scheduler = serve.Scheduler(engine, rows, 64)
 
     async def ask_all() -> list[list[int]]:
         loop = asyncio.get_running_loop()
-        requests = [serve.Request(p, 6, loop=loop, events=asyncio.Queue()) for p in prompts]
+        requests = [serve.Request(p, n, loop=loop, events=asyncio.Queue()) for p, n in zip(prompts, lengths)]
         for request in requests:
             scheduler.submit(request)
         threading.Thread(target=scheduler.run, daemon=True).start()
@@ -71,7 +78,9 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
         return answers
 
     assert asyncio.run(ask_all()) == expected
-    assert any(joined) == (rows > 1)  # prompts of up to 11 positions joined running rows 4 at a time
+    assert any(joined) == (rows > 1)  # prompts of up to 15 positions joined running rows 4 at a time
+    assert prefilled[0] == (rows, 0)  # the first ones together, nothing running
+    assert any(running for _, running in prefilled) == (rows > 1)  # and later some while rows ran
 
 
 def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
@@ -86,7 +95,7 @@ def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
 
 def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
     """Engine.warm (serve.py --compile) steps each row count the scheduler uses, a step carrying a prompt's
-    chunk and a prompt alone: compiled code then compiles none of them mid-stream."""
+    chunk, and prefills one prompt and two: compiled code then compiles none of them mid-stream."""
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128)).eval()
     shapes = []
 
@@ -97,7 +106,28 @@ def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
                                 joined_step=recorded("joined", decode.joined_step),
                                 prefill_chunk=recorded("prefill", decode.prefill_chunk))
     serve.Engine(model, 3, 64, steps).warm()
-    assert shapes == [("step", (1, 1)), ("step", (2, 1)), ("step", (3, 1)), ("joined", (3, 1)), ("prefill", (1, 2))]
+    assert shapes == [("step", (1, 1)), ("step", (2, 1)), ("step", (3, 1)), ("joined", (3, 1)), ("prefill", (1, 2)),
+                      ("prefill", (2, 2))]
+
+
+def test_after_warming_a_compiled_engine_compiles_nothing():
+    """What the scheduler runs after Engine.warm, compiled for real, with a bf16 model in its CPU forms (through
+    packed weights where oneDNN has bf16 kernels): steps of each row count at other positions, a step
+    carrying a chunk, prompts prefilled together of other counts and lengths, and one alone: not one graph
+    compiled again (the output head's product over a batch's last positions asked whether it had 2 rows,
+    and compiled each count of prompts again)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
+    model = model.to(torch.bfloat16).eval()
+    cpu_decode.apply(model)
+    engine = serve.Engine(model, 3, 64, compiled_steps(dynamic_prefill=True), join_chunk=4)
+    engine.warm()
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):  # as Scheduler.run
+        for prompts in ([[1] * 7] * 3, [[2] * 5, [3] * 9], [[4] * 6], [[5] * 3] * 3):
+            engine.prefill(prompts, False)
+        for rows in (1, 2, 3):
+            engine.step([1] * rows, [9] * rows)
+        engine.step([1] * 3, [9] * 3, serve.join_chunks(list(range(10)), 4)[1])
 
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels of its own on this CPU")
