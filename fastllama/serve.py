@@ -17,11 +17,11 @@ keep flowing), and is then copied into its row. The running requests are kept in
 (a request's cache moves down into a row freed below it), and every decode step runs them at once, as the
 first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once, before the first request:
 CUDA graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that
-no mix of requests recompiles it. A row is freed when its request
-ends: a stop token, max_tokens, a stop string (the HTTP side finds those in the text), or a client gone
-away. In fp32 a greedy request gets the tokens it gets alone, whatever else runs beside it: each row's
-numbers are computed the same whatever the others hold. An error in one request answers that request,
-and the server goes on; SIGTERM or Ctrl-C answers the requests still open with a 503 error object and stops.
+no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
+string (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the
+tokens it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the
+others hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C
+answers the requests still open with a 503 error object and stops.
 
 Under torchrun (`torchrun --nproc_per_node=N serve.py`) the model is sharded as generate.py shards it:
 rank 0 serves HTTP and schedules, and every rank makes the same calls to its shard (Engine).

@@ -224,7 +224,8 @@ def test_scaled_kv_caches_stay_near_the_bf16_one(kv_cache_dtype):
 def test_a_server_step_carrying_a_prompt_is_a_plain_step_and_its_prefill():
     """serve.py's step that carries a joining prompt's chunk, compiled (CUDA graphs, every shape warmed first;
     the chunk's attention in kernels.py's kernel, over the cache's extra row): the running rows' logits are a
-    plain step's, and the prompt's last logits its prefill alone's (fp32)."""
+    plain step's, and the prompt's last logits its prefill alone's (fp32); prompts prefilled together, more
+    than the warm-up ran, compile nothing more."""
     from fastllama import serve
     model = random_model(torch.float32)
     engine = serve.Engine(model, 2, 512, compiled_steps(dynamic_prefill=True), join_chunk=8)
@@ -238,6 +239,9 @@ def test_a_server_step_carrying_a_prompt_is_a_plain_step_and_its_prefill():
     for logits, _ in joined:
         torch.testing.assert_close(logits[:2], plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(joined[-1][0][2:], alone, rtol=1e-4, atol=1e-4)
+    # prompts together, 3 (the cache's rows, the prompt row's too) where the warm-up ran 1 and 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        engine.prefill([a, b, a[:7]], False)
 
 
 @pytest.mark.parametrize("n_kv", [1, 2, 8])
