@@ -116,6 +116,7 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
     carrying a chunk, prompts prefilled together of other counts and lengths, and one alone: not one graph
     compiled again (the output head's product over a batch's last positions asked whether it had 2 rows,
     and compiled each count of prompts again)."""
+    torch._dynamo.reset()  # past the recompile limit (other tests' models) dynamo would run it eagerly, unasked
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
     model = model.to(torch.bfloat16).eval()
