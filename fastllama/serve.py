@@ -116,7 +116,7 @@ class Engine:
     def __init__(self, model: Transformer, max_batch: int, context: int, steps: decode.Steps,
                  prefill_chunk: int = PREFILL_CHUNK, kv_cache_dtype: torch.dtype | None = None, world: int = 1,
                  join_chunk: int = JOIN_CHUNK):
-        self.model, self.steps, self.world, self.prefill_chunk = model, steps, world, prefill_chunk
+        self.model, self.steps, self.world = model, steps, world
         self.device = next(model.parameters()).device
         self.prompt_row = max_batch  # the extra row, a joining prompt's
         # a chunk's positions all lie in the context, and a sliding-window ring takes them in one forward
@@ -305,7 +305,7 @@ class Scheduler:
             if group and (len(group) + 1) * max(longest, n) > 2 * (total + n):
                 break
             group, longest, total = group + [request], max(longest, n), total + n
-        if running and (len(group) < running or len(group) * longest > self.engine.prefill_chunk):
+        if running and (len(group) < running or len(group) * longest > self.engine.model.chunk):  # --prefill_chunk
             return []
         return group
 
