@@ -8,7 +8,8 @@
 // reduces each key once per row, a horizontal sum apiece); apply an int8 cache's scales to finished dot
 // products; skip the keys no row sees (past a row's length, outside a window) without reading them; and
 // split one head's positions into chunks, each with its own running softmax, so that both threads share
-// even a single key/value head.
+// even a single key/value head. Where the CPU has AVX-512 VNNI, an int8 cache's products are integer ones
+// (dots, weigh_pairs): converting each level to fp32 cost more than reading it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +18,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -59,6 +62,14 @@ inline __m128 sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+inline __m128i sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {  // the same in int32
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 // exp(x) for x <= 0, 16 at a time: 2^n times a polynomial over the rest (within 2 ulp); 0 below -87 (and
 // for -inf, a masked score)
 inline __m512 exp16(__m512 x) {
@@ -86,82 +97,120 @@ struct Scales {
   int64_t stride = 0;
 
   explicit operator bool() const { return p != nullptr; }
-  float operator[](int64_t s) const {
+  // positions s0 .. s0 + n - 1's scales times `times`, in fp32, once for a chunk (not a dtype's switch a key)
+  void read(int64_t s0, int64_t n, float times, float* out) const {
+    const auto each = [&](const auto* x) {
+      int64_t i = 0;
+      if (stride == 1)  // as a cache's scales lie: 16 at a time
+        for (const __m512 by = _mm512_set1_ps(times); i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(by, load16(x + s0 + i)));
+      for (; i < n; i++) out[i] = times * float(x[(s0 + i) * stride]);
+    };
     switch (dtype) {
-      case at::kBFloat16: return float(static_cast<const at::BFloat16*>(p)[s * stride]);
-      case at::kHalf: return float(static_cast<const at::Half*>(p)[s * stride]);
-      default: return static_cast<const float*>(p)[s * stride];
+      case at::kBFloat16: each(static_cast<const at::BFloat16*>(p)); break;
+      case at::kHalf: each(static_cast<const at::Half*>(p)); break;
+      default: each(static_cast<const float*>(p));
     }
   }
 };
 
+constexpr int64_t WORDS = CHUNK / 64;  // 64-bit words of a chunk's bits
+
 // What a task shares with the rest: which positions a step position sees, and its scores.
 struct Chunk {
-  const bool* mask;  // the row's mask (1, T, S) and its strides
-  int64_t mask_t, mask_s, T, s0, n;  // n positions from s0
+  int64_t T, s0, n;  // T step positions a row; n positions from s0
+  const uint64_t* seen;  // (T, WORDS): bit i of word i / 64 of step position t's: t sees position s0 + i
   const float* q;    // the rows (R, hd)
   int64_t hd;
+  const int16_t* q16;    // ... rounded to int16 (R, hd16), for integer products (an int8 cache), or none
+  const float* q_scale;  // (R): a row is its q16 times this
+  int64_t hd16;          // hd rounded up to 32
+  const float* key_factor;  // (CHUNK): the scores' scale times each key's own (an int8 or fp8 cache's)
   float* scores;     // (R, CHUNK)
   float* max;        // (R)
 
-  bool sees(int64_t t, int64_t i) const { return i < n && mask[t * mask_t + (s0 + i) * mask_s]; }
-  bool anyone_sees(int64_t i) const {
-    for (int64_t t = 0; t < T; t++)
-      if (sees(t, i)) return true;
-    return false;
-  }
+  // step position t's bits for positions i .. i + KEYS - 1 (i a multiple of KEYS)
+  unsigned sees(int64_t t, int64_t i) const { return (seen[t * WORDS + i / 64] >> (i % 64)) & ((1u << KEYS) - 1); }
 };
 
-// Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (key_scales: a scale a position, or none), and
-// their largest. Row r is query head r / T of the group at the step's position r % T.
+// Rows r0 .. r0 + Rows - 1's dot products with KEYS keys, in fp32: each row's four in one vector
 template <int Rows, typename Element>
-void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const Scales& key_scales, float scale) {
-  float best[Rows];
-  for (int r = 0; r < Rows; r++) best[r] = c.max[r0 + r];
+inline void dots(const Chunk& c, int64_t r0, const Element* const* key, __m128* dot) {
+  __m512 acc[Rows][KEYS];
+  for (int r = 0; r < Rows; r++)
+    for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < c.hd; d += 16) {
+    __m512 kd[KEYS];
+    for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
+    for (int r = 0; r < Rows; r++) {
+      const __m512 qd = _mm512_loadu_ps(c.q + (r0 + r) * c.hd + d);
+      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_fmadd_ps(qd, kd[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < Rows; r++) dot[r] = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+#ifdef __AVX512VNNI__
+// ... and an int8 cache's, in integers: the rows rounded to int16 (c.q16), each key's 32 levels widened to int16
+// in one instruction and multiplied in pairs summed into int32 lanes (vpdpwssd), exactly; scaled once finished
+template <int Rows>
+inline void dots(const Chunk& c, int64_t r0, const int8_t* const* key, __m128* dot) {
+  __m512i acc[Rows][KEYS];
+  for (int r = 0; r < Rows; r++)
+    for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t d = 0; d < c.hd; d += 32) {
+    const __mmask32 in = d + 32 <= c.hd ? ~0u : 0xffffu;  // hd is a multiple of 16
+    __m512i kd[KEYS];
+    for (int j = 0; j < KEYS; j++) kd[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(in, key[j] + d));
+    for (int r = 0; r < Rows; r++) {
+      const __m512i qd = _mm512_loadu_si512(c.q16 + (r0 + r) * c.hd16 + d);
+      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], qd, kd[j]);
+    }
+  }
+  for (int r = 0; r < Rows; r++)
+    dot[r] = _mm_mul_ps(_mm_cvtepi32_ps(sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3])), _mm_set1_ps(c.q_scale[r0 + r]));
+}
+#endif
+
+// Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (times c.key_factor), and their largest. Row r is
+// query head r / T of the group at the step's position r % T.
+template <int Rows, typename Element>
+void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride) {
+  __m128 best[Rows];
+  int64_t t[Rows];  // row r's step position
+  for (int r = 0; r < Rows; r++) best[r] = _mm_set1_ps(-INF), t[r] = (r0 + r) % c.T;
   for (int64_t i0 = 0; i0 < c.n; i0 += KEYS) {
-    uint64_t seen = 0;  // bit t * KEYS + j: step position t sees key i0 + j
-    for (int64_t t = 0; t < c.T; t++)
-      for (int j = 0; j < KEYS; j++) seen |= uint64_t(c.sees(t, i0 + j)) << (t * KEYS + j);
-    if (!seen) {  // keys no row sees are never read
+    unsigned anyone = 0;
+    for (int64_t s = 0; s < c.T; s++) anyone |= c.sees(s, i0);
+    if (!anyone) {  // keys no row sees are never read
       for (int r = 0; r < Rows; r++) std::fill_n(c.scores + (r0 + r) * CHUNK + i0, KEYS, -INF);
       continue;
     }
     const Element* key[KEYS];
-    alignas(16) float factor[KEYS];
     for (int j = 0; j < KEYS; j++) {
-      const int64_t s = c.s0 + std::min(i0 + j, c.n - 1);  // past the chunk: its last key again, masked below
-      key[j] = keys + s * key_stride;
+      key[j] = keys + (c.s0 + std::min(i0 + j, c.n - 1)) * key_stride;  // past the chunk: its last key again, masked below
       if (i0 + j + AHEAD < c.n) prefetch_row(key[j] + AHEAD * key_stride, c.hd);
-      factor[j] = scale * (key_scales ? key_scales[s] : 1.f);
     }
-    __m512 acc[Rows][KEYS];
-    for (int r = 0; r < Rows; r++)
-      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < c.hd; d += 16) {
-      __m512 kd[KEYS];
-      for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
-      for (int r = 0; r < Rows; r++) {
-        const __m512 qd = _mm512_loadu_ps(c.q + (r0 + r) * c.hd + d);
-        for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_fmadd_ps(qd, kd[j], acc[r][j]);
-      }
-    }
-    const __m128 factors = _mm_load_ps(factor);
+    __m128 dot[Rows];
+    dots<Rows>(c, r0, key, dot);
+    const __m128 factors = _mm_loadu_ps(c.key_factor + i0);
     for (int r = 0; r < Rows; r++) {
-      const __mmask8 sees = (seen >> ((r0 + r) % c.T * KEYS)) & 0xf;
-      const __m128 row = _mm_mask_blend_ps(sees, _mm_set1_ps(-INF), _mm_mul_ps(sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), factors));
+      const __m128 row = _mm_mask_blend_ps(__mmask8(c.sees(t[r], i0)), _mm_set1_ps(-INF), _mm_mul_ps(dot[r], factors));
       _mm_storeu_ps(c.scores + (r0 + r) * CHUNK + i0, row);
-      const __m128 m = _mm_max_ps(row, _mm_movehl_ps(row, row));
-      best[r] = std::max(best[r], _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+      best[r] = _mm_max_ps(best[r], row);
     }
   }
-  for (int r = 0; r < Rows; r++) c.max[r0 + r] = best[r];
+  for (int r = 0; r < Rows; r++) {
+    const __m128 m = _mm_max_ps(best[r], _mm_movehl_ps(best[r], best[r]));
+    c.max[r0 + r] = std::max(c.max[r0 + r], _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+  }
 }
 
 // Rows r0 .. r0 + Rows - 1's weighted sums of the chunk's values, in elements d0 .. d0 + 16 * Width - 1, kept
-// in registers over all the positions: each value read once for those rows. weights: (R, CHUNK).
+// in registers over all the positions: each value read once for those rows. weights: (R, CHUNK), each value's
+// scale (an int8 or fp8 cache's) taken in.
 template <int Rows, int Width, typename Element>
 void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, const Element* values,
-                  int64_t value_stride, const Scales& value_scales, float* out) {
+                  int64_t value_stride, float* out) {
   __m512 acc[Rows][Width];
   for (int r = 0; r < Rows; r++)
     for (int x = 0; x < Width; x++) acc[r][x] = _mm512_setzero_ps();
@@ -172,11 +221,10 @@ void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, 
     if (!any) continue;  // masked for every row: not read
     const Element* value = values + (c.s0 + i) * value_stride + d0;
     if (i + AHEAD < c.n) prefetch_row(value + AHEAD * value_stride, 16 * Width);
-    const float factor = value_scales ? value_scales[c.s0 + i] : 1.f;
     __m512 vd[Width];
     for (int x = 0; x < Width; x++) vd[x] = load16(value + 16 * x);
     for (int r = 0; r < Rows; r++) {
-      const __m512 wr = _mm512_set1_ps(w[r] * factor);
+      const __m512 wr = _mm512_set1_ps(w[r]);
       for (int x = 0; x < Width; x++) acc[r][x] = _mm512_fmadd_ps(wr, vd[x], acc[r][x]);
     }
   }
@@ -186,15 +234,88 @@ void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, 
 
 template <int Rows, typename Element>
 void weigh_all_values(const Chunk& c, int64_t r0, const float* weights, const Element* values, int64_t value_stride,
-                      const Scales& value_scales, float* out) {
+                      float* out) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= c.hd; d0 += 64) weigh_values<Rows, 4>(c, r0, d0, weights, values, value_stride, value_scales, out);
+  for (; d0 + 64 <= c.hd; d0 += 64) weigh_values<Rows, 4>(c, r0, d0, weights, values, value_stride, out);
   switch ((c.hd - d0) / 16) {
-    case 1: weigh_values<Rows, 1>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
-    case 2: weigh_values<Rows, 2>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
-    case 3: weigh_values<Rows, 3>(c, r0, d0, weights, values, value_stride, value_scales, out); break;
+    case 1: weigh_values<Rows, 1>(c, r0, d0, weights, values, value_stride, out); break;
+    case 2: weigh_values<Rows, 2>(c, r0, d0, weights, values, value_stride, out); break;
+    case 3: weigh_values<Rows, 3>(c, r0, d0, weights, values, value_stride, out); break;
   }
 }
+
+#ifdef __AVX512VNNI__
+// x (n, a multiple of 16) rounded to int16 against its largest magnitude, at most `most` levels (so that sums of
+// products stay within int32); returns the scale: x is about out times it
+inline float round16(const float* x, int64_t n, int16_t* out, float most) {
+  __m512 big = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) big = _mm512_max_ps(big, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  const float largest = _mm512_reduce_max_ps(big);
+  const __m512 to = _mm512_set1_ps(largest > 0.f ? most / largest : 0.f);
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), to))));
+  return largest / most;
+}
+
+// An int8 cache's weighted values in integers: rows r0 .. r0 + Rows - 1's weights (times each value's scale)
+// rounded to int16 (weights: (R, CHUNK), scale: a row's weights are these times it), two positions at a time:
+// their levels interleaved and widened so that one vpdpwssd adds both positions' products to each element's
+// int32 sum. Elements d0 .. d0 + 32 * Blocks - 1 (the last block perhaps only 16, hd being a multiple of 16).
+template <int Rows, int Blocks>
+void weigh_pairs(const Chunk& c, int64_t r0, int64_t d0, const int16_t* weights, const float* scale,
+                 const int8_t* values, int64_t value_stride, float* out) {
+  __m512i acc[Rows][2 * Blocks];  // a block's elements 0-7 and 16-23, then 8-15 and 24-31 (as unpacking leaves them)
+  for (int r = 0; r < Rows; r++)
+    for (int x = 0; x < 2 * Blocks; x++) acc[r][x] = _mm512_setzero_si512();
+  const auto block_mask = [&](int x) -> __mmask32 { return d0 + 32 * x + 32 <= c.hd ? ~0u : 0xffffu; };
+  for (int64_t i = 0; i < c.n; i += 2) {
+    __m512i w[Rows];
+    bool any = false;
+    for (int r = 0; r < Rows; r++) {
+      int32_t pair;  // positions i and i + 1 (0 past the chunk: CHUNK is even)
+      std::memcpy(&pair, weights + (r0 + r) * CHUNK + i, sizeof pair);
+      any |= pair != 0;
+      w[r] = _mm512_set1_epi32(pair);
+    }
+    if (!any) continue;  // masked for every row: not read
+    const int8_t* a = values + (c.s0 + i) * value_stride + d0;
+    const int8_t* b = i + 1 < c.n ? a + value_stride : a;  // past the chunk: read nothing new, weighed 0
+    if (i + AHEAD + 1 < c.n) {
+      prefetch_row(a + AHEAD * value_stride, 32 * Blocks);
+      prefetch_row(b + AHEAD * value_stride, 32 * Blocks);
+    }
+    for (int x = 0; x < Blocks; x++) {
+      const __m256i va = _mm256_maskz_loadu_epi8(block_mask(x), a + 32 * x), vb = _mm256_maskz_loadu_epi8(block_mask(x), b + 32 * x);
+      const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(va, vb)), hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(va, vb));
+      for (int r = 0; r < Rows; r++) {
+        acc[r][2 * x] = _mm512_dpwssd_epi32(acc[r][2 * x], lo, w[r]);
+        acc[r][2 * x + 1] = _mm512_dpwssd_epi32(acc[r][2 * x + 1], hi, w[r]);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int r = 0; r < Rows; r++) {
+    const __m512 to = _mm512_set1_ps(scale[r0 + r]);
+    for (int x = 0; x < Blocks; x++) {
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][2 * x]), to), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][2 * x + 1]), to);
+      float* o = out + (r0 + r) * c.hd + d0 + 32 * x;
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+      if (block_mask(x) == ~0u) _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+  }
+}
+
+template <int Rows>
+void weigh_all_pairs(const Chunk& c, int64_t r0, const int16_t* weights, const float* scale, const int8_t* values,
+                     int64_t value_stride, float* out) {
+  for (int64_t d0 = 0; d0 < c.hd; d0 += 64) {
+    if (d0 + 32 < c.hd) weigh_pairs<Rows, 2>(c, r0, d0, weights, scale, values, value_stride, out);
+    else weigh_pairs<Rows, 1>(c, r0, d0, weights, scale, values, value_stride, out);
+  }
+}
+#endif
 
 // a template's instance for the rows left (at most ROWS), the count a constant so that the tiles stay in registers
 #define FOR_ROWS(rows, call)              \
@@ -225,39 +346,80 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   // the values weighed by exp(score - max); the chunks are merged afterwards
   std::vector<float> maxes(tasks * R, -INF), sums(tasks * R), accs(tasks * R * hd);
 
+#ifdef __AVX512VNNI__
+  constexpr bool integers = std::is_same_v<Element, int8_t>;  // products in integers (dots, weigh_pairs)
+#else
+  constexpr bool integers = false;
+#endif
+  // int16 levels, fewer past 256 elements a sum so that a sum of products (up to 128 times as large) fits in int32
+  const float levels = 32767.f * std::min<float>(1.f, 256.f / float(std::max(hd, CHUNK)));
+  const int64_t hd16 = (hd + 31) / 32 * 32;
+
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * CHUNK);
+    std::vector<float> scores(R * CHUNK), key_factor(CHUNK, scale), value_factor(CHUNK, 1.f);
+    std::vector<int16_t> q16(integers ? R * hd16 : 0), weights16(integers ? R * CHUNK : 0);
+    std::vector<float> q_scale(R), weight_scale(R);
+    std::vector<uint64_t> seen(T * WORDS);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t b = task / (H * chunks), h = task / chunks % H, s0 = task % chunks * CHUNK;
-      const Chunk c{mask.data_ptr<bool>() + b * mask.stride(0), mask.stride(2), mask.stride(3), T, s0,
-                    std::min(CHUNK, S - s0), q.data_ptr<float>() + (b * H + h) * R * hd, hd, scores.data(),
+      const int64_t b = task / (H * chunks), h = task / chunks % H, s0 = task % chunks * CHUNK, n = std::min(CHUNK, S - s0);
+      const float* rows = q.data_ptr<float>() + (b * H + h) * R * hd;
+      if constexpr (integers)
+        for (int64_t r = 0; r < R; r++) q_scale[r] = round16(rows + r * hd, hd, q16.data() + r * hd16, levels);
+      const Scales key_scales = scales_of(k_scales, b, h), value_scales = scales_of(v_scales, b, h);
+      if (key_scales) key_scales.read(s0, n, scale, key_factor.data());
+      if (value_scales) value_scales.read(s0, n, 1.f, value_factor.data());
+      for (int64_t t = 0; t < T; t++) {
+        const uint8_t* sees = static_cast<const uint8_t*>(mask.data_ptr()) + b * mask.stride(0) + t * mask.stride(2) + s0 * mask.stride(3);
+        for (int64_t w = 0; w < WORDS; w++) {
+          const int64_t from = w * 64, to = std::clamp<int64_t>(n, from, from + 64);
+          uint64_t bits = 0;
+          if (mask.stride(3) == 1)  // 64 at a time
+            bits = _mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(to - from == 64 ? ~0ull : (1ull << (to - from)) - 1, sees + from), _mm512_set1_epi8(1));
+          else
+            for (int64_t i = from; i < to; i++) bits |= uint64_t(sees[i * mask.stride(3)] != 0) << (i - from);
+          seen[t * WORDS + w] = bits;
+        }
+      }
+      const Chunk c{T, s0, n, seen.data(), rows, hd, q16.data(), q_scale.data(), hd16, key_factor.data(), scores.data(),
                     maxes.data() + task * R};
       const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
-      const Scales key_scales = scales_of(k_scales, b, h), value_scales = scales_of(v_scales, b, h);
       for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
-#define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), key_scales, scale)
+#define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2))
         FOR_ROWS(R - r0, SCORE)
 #undef SCORE
       }
-      for (int64_t r = 0; r < R; r++) {  // scores -> exp(score - max), 0 past the chunk's positions
+      // scores -> exp(score - max), 0 past the chunk's positions; then the weights of the values, times each
+      // value's scale (an int8 or fp8 cache's)
+      for (int64_t r = 0; r < R; r++) {
         float* row = scores.data() + r * CHUNK;
         const __m512 max = _mm512_set1_ps(c.max[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t i = 0; i < CHUNK; i += 16) {
-          const __mmask16 in = i + 16 <= c.n ? 0xffff : i < c.n ? (1u << (c.n - i)) - 1 : 0;
+          const __mmask16 in = i + 16 <= n ? 0xffff : i < n ? (1u << (n - i)) - 1 : 0;
           const __m512 e = c.max[r] == -INF ? _mm512_setzero_ps()
                                             : exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + i), max));
           const __m512 p = _mm512_maskz_mov_ps(in, e);
-          _mm512_storeu_ps(row + i, p);
           sum = _mm512_add_ps(sum, p);
+          _mm512_storeu_ps(row + i, value_scales ? _mm512_mul_ps(p, _mm512_maskz_loadu_ps(in, value_factor.data() + i)) : p);
         }
         sums[task * R + r] = _mm512_reduce_add_ps(sum);
       }
-      for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
-#define WEIGH(n) weigh_all_values<n>(c, r0, scores.data(), values, v.stride(2), value_scales, accs.data() + task * R * hd)
-        FOR_ROWS(R - r0, WEIGH)
+      float* acc = accs.data() + task * R * hd;
+      if constexpr (integers) {
+        for (int64_t r = 0; r < R; r++)
+          weight_scale[r] = round16(scores.data() + r * CHUNK, CHUNK, weights16.data() + r * CHUNK, levels);
+        for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
+#define WEIGH(n) weigh_all_pairs<n>(c, r0, weights16.data(), weight_scale.data(), values, v.stride(2), acc)
+          FOR_ROWS(R - r0, WEIGH)
 #undef WEIGH
+        }
+      } else {
+        for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
+#define WEIGH(n) weigh_all_values<n>(c, r0, scores.data(), values, v.stride(2), acc)
+          FOR_ROWS(R - r0, WEIGH)
+#undef WEIGH
+        }
       }
     }
   });
@@ -286,12 +448,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 
 // q (B, H, R, hd): the query rows of each of H key/value heads; k, v (>= B, H, >= S, hd) the caches, of which
 // the first B rows and S slots are read; k_scales, v_scales (>= B, H, >= S, 1) for int8 and fp8 caches;
-// mask (B, 1, T, S), R a multiple of T, T <= 16, hd a multiple of 16. Returns (B, H, R, hd) in fp32.
+// mask (B, 1, T, S) of bools or bytes, R a multiple of T, T <= 16, hd a multiple of 16. Returns (B, H, R, hd) in fp32.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                             const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && mask.dim() == 4 && mask.scalar_type() == at::kBool,
-              "decode_attention: q (B, H, R, hd), caches (B, H, S, hd), a bool mask (B, 1, T, S)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && mask.dim() == 4 && (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte),
+              "decode_attention: q (B, H, R, hd), caches (B, H, S, hd), a bool or uint8 mask (B, 1, T, S)");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.scalar_type() == v.scalar_type() && q.size(3) % 16 == 0,
               "decode_attention: caches of one dtype, each row contiguous, hd a multiple of 16");
   TORCH_CHECK(q.size(2) % mask.size(2) == 0 && mask.size(2) <= 16 && k.size(2) >= mask.size(3) && k_scales.has_value() == v_scales.has_value(),

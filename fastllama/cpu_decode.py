@@ -167,6 +167,13 @@ def attention_kernel():
     return torch.ops.fastllama.decode_attention
 
 
+def decode_attention(q, k, v, k_scales, v_scales, mask, scale):
+    """attention_kernel()'s op with the mask given as bytes: compiled code writes the mask out for each
+    layer's call, and it writes bools one at a time where it writes bytes a vector at a time (benchmarks/
+    RESULTS.md, "An int8 cache's products in integers")."""
+    return torch.ops.fastllama.decode_attention(q, k, v, k_scales, v_scales, mask.to(torch.uint8), scale)
+
+
 @functools.cache
 def int4_kernel():
     """torch.ops.fastllama.int4_rows from cpu_int4.cpp (CPUs with AVX-512 BF16), or None where it cannot be
@@ -318,6 +325,6 @@ def apply(model: Transformer):
         elif isinstance(module, Attention):
             module.product, module.path = attention_product, types.MethodType(attention_path, module)
             if kernel and module.head_dim % 16 == 0:  # the kernel's loads take 16 elements at a time
-                module.decode_kernel, module.decode_rows = kernel, ATTENTION_ROWS
+                module.decode_kernel, module.decode_rows = decode_attention, ATTENTION_ROWS
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product
