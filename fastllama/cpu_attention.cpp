@@ -373,9 +373,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         for (int64_t w = 0; w < WORDS; w++) {
           const int64_t from = w * 64, to = std::clamp<int64_t>(n, from, from + 64);
           uint64_t bits = 0;
-          if (mask.stride(3) == 1)  // 64 at a time
-            bits = _mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(to - from == 64 ? ~0ull : (1ull << (to - from)) - 1, sees + from), _mm512_set1_epi8(1));
-          else
+          if (mask.stride(3) == 1) {  // 64 at a time
+            const __m512i bytes = _mm512_maskz_loadu_epi8(to - from == 64 ? ~0ull : (1ull << (to - from)) - 1, sees + from);
+            bits = _mm512_test_epi8_mask(bytes, bytes);
+          } else
             for (int64_t i = from; i < to; i++) bits |= uint64_t(sees[i * mask.stride(3)] != 0) << (i - from);
           seen[t * WORDS + w] = bits;
         }
