@@ -179,7 +179,8 @@ def decode_attention_kernel(name: str) -> tuple:
 @torch.no_grad()
 def test_the_cpu_kernel_reads_a_scaled_caches_scales_in_the_models_dtype(store, scales):
     """A bf16 or fp16 model's cache keeps its scales in that dtype, which the CPU kernel reads where they lie:
-    the same result as from the same scales in fp32 (exactly: each converts to fp32 without loss)."""
+    the same result as from the same scales in fp32 (exactly: each converts to fp32 without loss), or lying
+    apart in memory."""
     torch.manual_seed(0)
     B, n_kv, group, hd, length, S = 2, 3, 3, 64, 300, 280
     cache = KVCache(B, length, n_kv, hd, scales, store_dtype=store)
@@ -191,6 +192,8 @@ def test_the_cpu_kernel_reads_a_scaled_caches_scales_in_the_models_dtype(store, 
     ours = kernel(q, cache.k_cache, cache.v_cache, cache.k_scales, cache.v_scales, mask, 0.125)
     fp32 = kernel(q, cache.k_cache, cache.v_cache, cache.k_scales.float(), cache.v_scales.float(), mask, 0.125)
     assert torch.equal(ours, fp32)
+    strided = [torch.cat([x, x], -1)[..., :1] for x in (cache.k_scales, cache.v_scales)]  # a position's 2 elements apart
+    assert torch.equal(kernel(q, cache.k_cache, cache.v_cache, *strided, mask, 0.125), ours)
     assert relative_error(ours, kernel(q, cache.k_cache, cache.v_cache, cache.k_scales.float() * 1.01,
                                        cache.v_scales.float(), mask, 0.125)) > 1e-4  # the scales are read
 
