@@ -19,8 +19,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
