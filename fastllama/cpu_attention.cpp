@@ -25,10 +25,12 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // positions a task reads
-constexpr int ROWS = 4;         // query rows that one pass over a chunk's keys and values serves
-constexpr int64_t AHEAD = 16;  // positions ahead of the one being read that are fetched (prefetch_row)
-constexpr int KEYS = 4;         // keys whose dot products are computed, and summed across lanes, together
+constexpr int64_t CHUNK = 1024;   // positions a task reads, at most (chunk_for)
+constexpr int64_t SERIAL = 1024;  // positions of all heads below which one thread reads them all (attend)
+constexpr int64_t SUMS = 256;     // positions an int32 sum of products takes, their weights rounded together
+constexpr int ROWS = 4;           // query rows that one pass over a chunk's keys and values serves
+constexpr int64_t AHEAD = 16;     // positions ahead of the one being read that are fetched (prefetch_row)
+constexpr int KEYS = 4;           // keys whose dot products are computed, and summed across lanes, together
 constexpr float INF = std::numeric_limits<float>::infinity();
 
 // 16 elements of a cache row, as fp32
@@ -113,12 +115,13 @@ struct Scales {
   }
 };
 
-constexpr int64_t WORDS = CHUNK / 64;  // 64-bit words of a chunk's bits
+constexpr int64_t WORDS = CHUNK / 64;  // 64-bit words of a chunk's bits, at most
 
 // What a task shares with the rest: which positions a step position sees, and its scores.
 struct Chunk {
   int64_t T, s0, n;  // T step positions a row; n positions from s0
-  const uint64_t* seen;  // (T, WORDS): bit i of word i / 64 of step position t's: t sees position s0 + i
+  const uint64_t* seen;  // (T + 1, WORDS): bit i of word i / 64 of step position t's: t sees position s0 + i;
+                         // then any step position's
   const float* q;    // the rows (R, hd)
   int64_t hd;
   const int16_t* q16;    // ... rounded to int16 (R, hd16), for integer products (an int8 cache), or none
@@ -128,8 +131,8 @@ struct Chunk {
   float* scores;     // (R, CHUNK)
   float* max;        // (R)
 
-  // step position t's bits for positions i .. i + KEYS - 1 (i a multiple of KEYS)
-  unsigned sees(int64_t t, int64_t i) const { return (seen[t * WORDS + i / 64] >> (i % 64)) & ((1u << KEYS) - 1); }
+  // step position t's bits for positions i .. i + n - 1 (i a multiple of n, n < 64); t = T: any step position's
+  unsigned sees(int64_t t, int64_t i, int n = KEYS) const { return (seen[t * WORDS + i / 64] >> (i % 64)) & ((1u << n) - 1); }
 };
 
 // Rows r0 .. r0 + Rows - 1's dot products with KEYS keys, in fp32: each row's four in one vector
@@ -179,9 +182,7 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
   int64_t t[Rows];  // row r's step position
   for (int r = 0; r < Rows; r++) best[r] = _mm_set1_ps(-INF), t[r] = (r0 + r) % c.T;
   for (int64_t i0 = 0; i0 < c.n; i0 += KEYS) {
-    unsigned anyone = 0;
-    for (int64_t s = 0; s < c.T; s++) anyone |= c.sees(s, i0);
-    if (!anyone) {  // keys no row sees are never read
+    if (!c.sees(c.T, i0)) {  // keys no row sees are never read
       for (int r = 0; r < Rows; r++) std::fill_n(c.scores + (r0 + r) * CHUNK + i0, KEYS, -INF);
       continue;
     }
@@ -259,50 +260,52 @@ inline float round16(const float* x, int64_t n, int16_t* out, float most) {
 }
 
 // An int8 cache's weighted values in integers: rows r0 .. r0 + Rows - 1's weights (times each value's scale)
-// rounded to int16 (weights: (R, CHUNK), scale: a row's weights are these times it), two positions at a time:
-// their levels interleaved and widened so that one vpdpwssd adds both positions' products to each element's
-// int32 sum. Elements d0 .. d0 + 32 * Blocks - 1 (the last block perhaps only 16, hd being a multiple of 16).
+// rounded to int16 (weights: (R, CHUNK); scale: (R, CHUNK / SUMS), SUMS positions' weights are these times
+// it), two positions at a time: their levels interleaved and widened so that one vpdpwssd adds both positions'
+// products to each element's int32 sum, which takes SUMS positions before it is added to out's fp32 (zeros at
+// first). Elements d0 .. d0 + 32 * Blocks - 1 (the last block perhaps only 16, hd being a multiple of 16).
 template <int Rows, int Blocks>
 void weigh_pairs(const Chunk& c, int64_t r0, int64_t d0, const int16_t* weights, const float* scale,
                  const int8_t* values, int64_t value_stride, float* out) {
-  __m512i acc[Rows][2 * Blocks];  // a block's elements 0-7 and 16-23, then 8-15 and 24-31 (as unpacking leaves them)
-  for (int r = 0; r < Rows; r++)
-    for (int x = 0; x < 2 * Blocks; x++) acc[r][x] = _mm512_setzero_si512();
   const auto block_mask = [&](int x) -> __mmask32 { return d0 + 32 * x + 32 <= c.hd ? ~0u : 0xffffu; };
-  for (int64_t i = 0; i < c.n; i += 2) {
-    __m512i w[Rows];
-    bool any = false;
-    for (int r = 0; r < Rows; r++) {
-      int32_t pair;  // positions i and i + 1 (0 past the chunk: CHUNK is even)
-      std::memcpy(&pair, weights + (r0 + r) * CHUNK + i, sizeof pair);
-      any |= pair != 0;
-      w[r] = _mm512_set1_epi32(pair);
-    }
-    if (!any) continue;  // masked for every row: not read
-    const int8_t* a = values + (c.s0 + i) * value_stride + d0;
-    const int8_t* b = i + 1 < c.n ? a + value_stride : a;  // past the chunk: read nothing new, weighed 0
-    if (i + AHEAD + 1 < c.n) {
-      prefetch_row(a + AHEAD * value_stride, 32 * Blocks);
-      prefetch_row(b + AHEAD * value_stride, 32 * Blocks);
-    }
-    for (int x = 0; x < Blocks; x++) {
-      const __m256i va = _mm256_maskz_loadu_epi8(block_mask(x), a + 32 * x), vb = _mm256_maskz_loadu_epi8(block_mask(x), b + 32 * x);
-      const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(va, vb)), hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(va, vb));
-      for (int r = 0; r < Rows; r++) {
-        acc[r][2 * x] = _mm512_dpwssd_epi32(acc[r][2 * x], lo, w[r]);
-        acc[r][2 * x + 1] = _mm512_dpwssd_epi32(acc[r][2 * x + 1], hi, w[r]);
-      }
-    }
-  }
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int r = 0; r < Rows; r++) {
-    const __m512 to = _mm512_set1_ps(scale[r0 + r]);
-    for (int x = 0; x < Blocks; x++) {
-      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][2 * x]), to), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][2 * x + 1]), to);
-      float* o = out + (r0 + r) * c.hd + d0 + 32 * x;
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
-      if (block_mask(x) == ~0u) _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+  for (int64_t i0 = 0; i0 < c.n; i0 += SUMS) {
+    __m512i acc[Rows][2 * Blocks];  // a block's elements 0-7 and 16-23, then 8-15 and 24-31 (as unpacking leaves them)
+    for (int r = 0; r < Rows; r++)
+      for (int x = 0; x < 2 * Blocks; x++) acc[r][x] = _mm512_setzero_si512();
+    for (int64_t i = i0; i < std::min(c.n, i0 + SUMS); i += 2) {
+      if (!c.sees(c.T, i, 2)) continue;  // masked for every row: not read
+      __m512i w[Rows];
+      for (int r = 0; r < Rows; r++) {
+        int32_t pair;  // positions i and i + 1 (0 past the chunk's positions: SUMS is even)
+        std::memcpy(&pair, weights + (r0 + r) * CHUNK + i, sizeof pair);
+        w[r] = _mm512_set1_epi32(pair);
+      }
+      const int8_t* a = values + (c.s0 + i) * value_stride + d0;
+      const int8_t* b = i + 1 < c.n ? a + value_stride : a;  // past the chunk: read nothing new, weighed 0
+      if (i + AHEAD + 1 < c.n) {
+        prefetch_row(a + AHEAD * value_stride, 32 * Blocks);
+        prefetch_row(b + AHEAD * value_stride, 32 * Blocks);
+      }
+      for (int x = 0; x < Blocks; x++) {
+        const __m256i va = _mm256_maskz_loadu_epi8(block_mask(x), a + 32 * x), vb = _mm256_maskz_loadu_epi8(block_mask(x), b + 32 * x);
+        const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(va, vb)), hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(va, vb));
+        for (int r = 0; r < Rows; r++) {
+          acc[r][2 * x] = _mm512_dpwssd_epi32(acc[r][2 * x], lo, w[r]);
+          acc[r][2 * x + 1] = _mm512_dpwssd_epi32(acc[r][2 * x + 1], hi, w[r]);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; r++) {
+      const __m512 to = _mm512_set1_ps(scale[(r0 + r) * (CHUNK / SUMS) + i0 / SUMS]);
+      for (int x = 0; x < Blocks; x++) {
+        const __m512 lo = _mm512_cvtepi32_ps(acc[r][2 * x]), hi = _mm512_cvtepi32_ps(acc[r][2 * x + 1]);
+        float* o = out + (r0 + r) * c.hd + d0 + 32 * x;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, first, hi), to, _mm512_loadu_ps(o)));
+        if (block_mask(x) == ~0u)
+          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, second, hi), to, _mm512_loadu_ps(o + 16)));
+      }
     }
   }
 }
@@ -337,11 +340,21 @@ inline Scales scales_of(const c10::optional<at::Tensor>& scales, int64_t b, int6
   return out;
 }
 
+// Positions a task reads, for `heads` key/value heads (of all rows) of S positions each: as many as leave at least
+// three tasks a thread, from 256 to CHUNK. The longer a run of keys or values read without a break, the faster
+// the cache is read (benchmarks/RESULTS.md, "Longer chunks, and short reads in one thread"); too few tasks leave a
+// thread idle while another finishes.
+inline int64_t chunk_for(int64_t heads, int64_t S) {
+  int64_t chunk = CHUNK;
+  while (chunk > 256 && heads * ((S + chunk - 1) / chunk) < 3 * at::get_num_threads()) chunk /= 2;
+  return chunk;
+}
+
 template <typename Element>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scales,
             const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), hd = q.size(3), T = mask.size(2), S = mask.size(3);
-  const int64_t chunks = (S + CHUNK - 1) / CHUNK, tasks = B * H * chunks;
+  const int64_t chunk = chunk_for(B * H, S), chunks = (S + chunk - 1) / chunk, tasks = B * H * chunks;
   // what each task leaves for each row: the largest score of its chunk, the sum of exp(score - max) and
   // the values weighed by exp(score - max); the chunks are merged afterwards
   std::vector<float> maxes(tasks * R, -INF), sums(tasks * R), accs(tasks * R * hd);
@@ -352,16 +365,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   constexpr bool integers = false;
 #endif
   // int16 levels, fewer past 256 elements a sum so that a sum of products (up to 128 times as large) fits in int32
-  const float levels = 32767.f * std::min<float>(1.f, 256.f / float(std::max(hd, CHUNK)));
+  const float levels = 32767.f * std::min<float>(1.f, 256.f / float(std::max(hd, SUMS)));
   const int64_t hd16 = (hd + 31) / 32 * 32;
 
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // the tasks shared among the threads, but for a read too short to pay for waking them (SERIAL)
+  at::parallel_for(0, tasks, B * H * S < SERIAL ? tasks + 1 : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(R * CHUNK), key_factor(CHUNK, scale), value_factor(CHUNK, 1.f);
     std::vector<int16_t> q16(integers ? R * hd16 : 0), weights16(integers ? R * CHUNK : 0);
-    std::vector<float> q_scale(R), weight_scale(R);
-    std::vector<uint64_t> seen(T * WORDS);
+    std::vector<float> q_scale(R), weight_scale(R * (CHUNK / SUMS));
+    std::vector<uint64_t> seen((T + 1) * WORDS);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t b = task / (H * chunks), h = task / chunks % H, s0 = task % chunks * CHUNK, n = std::min(CHUNK, S - s0);
+      const int64_t b = task / (H * chunks), h = task / chunks % H, s0 = task % chunks * chunk, n = std::min(chunk, S - s0);
+      const int64_t n16 = (n + 15) / 16 * 16, words = (n + 63) / 64;
       const float* rows = q.data_ptr<float>() + (b * H + h) * R * hd;
       if constexpr (integers)
         for (int64_t r = 0; r < R; r++) q_scale[r] = round16(rows + r * hd, hd, q16.data() + r * hd16, levels);
@@ -370,7 +385,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       if (value_scales) value_scales.read(s0, n, 1.f, value_factor.data());
       for (int64_t t = 0; t < T; t++) {
         const uint8_t* sees = static_cast<const uint8_t*>(mask.data_ptr()) + b * mask.stride(0) + t * mask.stride(2) + s0 * mask.stride(3);
-        for (int64_t w = 0; w < WORDS; w++) {
+        for (int64_t w = 0; w < words; w++) {
           const int64_t from = w * 64, to = std::clamp<int64_t>(n, from, from + 64);
           uint64_t bits = 0;
           if (mask.stride(3) == 1) {  // 64 at a time
@@ -381,6 +396,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           seen[t * WORDS + w] = bits;
         }
       }
+      for (int64_t w = 0; w < words; w++) {
+        seen[T * WORDS + w] = 0;
+        for (int64_t t = 0; t < T; t++) seen[T * WORDS + w] |= seen[t * WORDS + w];
+      }
       const Chunk c{T, s0, n, seen.data(), rows, hd, q16.data(), q_scale.data(), hd16, key_factor.data(), scores.data(),
                     maxes.data() + task * R};
       const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
@@ -390,13 +409,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         FOR_ROWS(R - r0, SCORE)
 #undef SCORE
       }
-      // scores -> exp(score - max), 0 past the chunk's positions; then the weights of the values, times each
-      // value's scale (an int8 or fp8 cache's)
+      // scores -> exp(score - max), 0 past the chunk's positions (to a multiple of 16); then the weights of the
+      // values, times each value's scale (an int8 or fp8 cache's)
       for (int64_t r = 0; r < R; r++) {
         float* row = scores.data() + r * CHUNK;
         const __m512 max = _mm512_set1_ps(c.max[r]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < CHUNK; i += 16) {
+        for (int64_t i = 0; i < n16; i += 16) {
           const __mmask16 in = i + 16 <= n ? 0xffff : i < n ? (1u << (n - i)) - 1 : 0;
           const __m512 e = c.max[r] == -INF ? _mm512_setzero_ps()
                                             : exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + i), max));
@@ -409,7 +428,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       float* acc = accs.data() + task * R * hd;
       if constexpr (integers) {
         for (int64_t r = 0; r < R; r++)
-          weight_scale[r] = round16(scores.data() + r * CHUNK, CHUNK, weights16.data() + r * CHUNK, levels);
+          for (int64_t i0 = 0; i0 < n16; i0 += SUMS)
+            weight_scale[r * (CHUNK / SUMS) + i0 / SUMS] = round16(scores.data() + r * CHUNK + i0, std::min(SUMS, n16 - i0),
+                                                                   weights16.data() + r * CHUNK + i0, levels);
         for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define WEIGH(n) weigh_all_pairs<n>(c, r0, weights16.data(), weight_scale.data(), values, v.stride(2), acc)
           FOR_ROWS(R - r0, WEIGH)
@@ -425,26 +446,25 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     }
   });
 
-  // each row's chunks merged, rescaled to the largest max of all; a row that sees no key gets zeros
+  // each row's chunks merged, rescaled to the largest max of all; a row that sees no key gets zeros. In this
+  // thread: a few vectors a chunk, less than waking the others costs
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; row++) {
-      const int64_t bh = row / R, r = row % R;
-      float m = -INF, sum = 0.f;
-      for (int64_t c = 0; c < chunks; c++) m = std::max(m, maxes[(bh * chunks + c) * R + r]);
-      float* out_row = o + row * hd;
-      std::fill_n(out_row, hd, 0.f);
-      if (m == -INF) continue;
-      for (int64_t c = 0; c < chunks; c++) {
-        const int64_t at = (bh * chunks + c) * R + r;
-        if (maxes[at] == -INF) continue;
-        const float w = std::exp(maxes[at] - m);
-        sum += w * sums[at];
-        for (int64_t d = 0; d < hd; d++) out_row[d] += w * accs[at * hd + d];
-      }
-      for (int64_t d = 0; d < hd; d++) out_row[d] /= sum;
+  for (int64_t row = 0; row < B * H * R; row++) {
+    const int64_t bh = row / R, r = row % R;
+    float m = -INF, sum = 0.f;
+    for (int64_t c = 0; c < chunks; c++) m = std::max(m, maxes[(bh * chunks + c) * R + r]);
+    float* out_row = o + row * hd;
+    std::fill_n(out_row, hd, 0.f);
+    if (m == -INF) continue;
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t at = (bh * chunks + c) * R + r;
+      if (maxes[at] == -INF) continue;
+      const float w = std::exp(maxes[at] - m);
+      sum += w * sums[at];
+      for (int64_t d = 0; d < hd; d++) out_row[d] += w * accs[at * hd + d];
     }
-  });
+    for (int64_t d = 0; d < hd; d++) out_row[d] /= sum;
+  }
 }
 
 // q (B, H, R, hd): the query rows of each of H key/value heads; k, v (>= B, H, >= S, hd) the caches, of which
