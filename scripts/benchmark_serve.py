@@ -3,11 +3,13 @@ to the first token, time between tokens, p50 and p95) at each of --clients concu
 requests one after another), and against llama.cpp's server (llama-cpp-python's `llama_cpp.server`,
 the same GGUF file) at the same concurrency: each server started here, one at a time, on a free port.
 
-    python scripts/benchmark_serve.py [--clients 1 4 8 16] [--requests 2] [--max_tokens 64] [--llama-cpp]
-        [--json out.json] [-- serve.py's own flags, e.g. --compile]
+    python scripts/benchmark_serve.py [--clients 1 4 8 16] [--requests 2] [--max_tokens 64] [--vary]
+        [--llama-cpp] [--json out.json] [-- serve.py's own flags, e.g. --compile]
 
-Each client streams its requests one after another (chat completions, greedy, a prompt of the set each);
-a token's time is the arrival of the chunk holding it, and the tokens of an answer are counted by
+Each client streams its requests one after another (chat completions, greedy, a prompt of the set each).
+With --vary each request asks for its own number of tokens, from half --max_tokens to one and a half times
+it, so that answers end at different times and prompts join while the others run, as under a real load. A
+token's time is the arrival of the chunk holding it, and the tokens of an answer are counted by
 re-tokenizing its text with the model's tokenizer, the same way for both servers.
 """
 
@@ -81,13 +83,15 @@ def stream_one(base: str, model: str, prompt: str, max_tokens: int) -> tuple[str
     return text, times, start
 
 
-def load(base: str, model: str, clients: int, requests: int, max_tokens: int, tokenizer) -> dict:
+def load(base: str, model: str, clients: int, requests: int, max_tokens: int, tokenizer, vary: bool = False) -> dict:
     """`clients` threads, each streaming `requests` requests one after another."""
     results, lock = [], threading.Lock()
 
     def client(i: int):
         for j in range(requests):
-            text, times, start = stream_one(base, model, PROMPTS[(i * requests + j) % len(PROMPTS)], max_tokens)
+            # the same lengths for every server: a request's own, spread by two steps prime to each other
+            n = (max_tokens + 1) // 2 + (17 * i + 29 * j) % max_tokens if vary else max_tokens
+            text, times, start = stream_one(base, model, PROMPTS[(i * requests + j) % len(PROMPTS)], n)
             with lock:
                 results.append((len(tokenizer.encode(text)), times, start))
 
@@ -112,7 +116,7 @@ def pct(values: list[float], p: float) -> float:
 def measure(name: str, base: str, model: str, args, tokenizer) -> list[dict]:
     rows = []
     for clients in args.clients:
-        row = dict(load(base, model, clients, args.requests, args.max_tokens, tokenizer), server=name)
+        row = dict(load(base, model, clients, args.requests, args.max_tokens, tokenizer, args.vary), server=name)
         print(f"{name:24} {clients:7} {row['tok_s']:9.1f} {row['ttft_p50']:9.0f} {row['ttft_p95']:9.0f} "
               f"{row['gap_p50']:8.1f} {row['gap_p95']:8.1f}", flush=True)
         rows.append(row)
@@ -122,7 +126,9 @@ def measure(name: str, base: str, model: str, args, tokenizer) -> list[dict]:
 def main(args):
     checkpoint = find_checkpoint(args.checkpoint_path)
     tokenizer = get_tokenizer(checkpoint)
-    print(f"{args.requests} requests a client, {args.max_tokens} new tokens at most, greedy; ms")
+    low = (args.max_tokens + 1) // 2
+    lengths = f"{low} to {low + args.max_tokens - 1}" if args.vary else args.max_tokens
+    print(f"{args.requests} requests a client, {lengths} new tokens at most, greedy; ms")
     print(f"{'server':24} {'clients':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'gap p50':>8} {'gap p95':>8}")
     rows = []
     port = free_port()
@@ -164,6 +170,7 @@ if __name__ == "__main__":
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--vary", action="store_true", help="each request its own max_tokens, around --max_tokens")
     p.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's server on the GGUF")
     p.add_argument("--gguf", type=Path, default=None, help="llama.cpp's file (default: the bundled model's GGUF)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
