@@ -13,7 +13,9 @@ at least as many as rows running (a burst, or any while nothing runs), are prefi
 batch into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded);
 otherwise a prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a
 decode step of the rows already running (one forward reads the weights once for both, and their streams
-keep flowing), and is then copied into its row. The running requests are kept in the cache's first rows
+keep flowing), and is then copied into its row. The extra row keeps the last joined prompt's keys and
+values, so a prompt that begins as it did (a system prompt that chats share, say) joins from where
+they part. The running requests are kept in the cache's first rows
 (a request's cache moves down into a row freed below it), and every decode step runs them at once, as the
 first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once, before the first request:
 CUDA graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that
@@ -215,6 +217,7 @@ class Scheduler:
         self.prefilling: Request | None = None  # the prompt joining the running rows ...
         self.chunks: list[tuple[list[int], list[int], int]] = []  # ... its chunks still to go (join_chunks) ...
         self.prompt_states: list[Tensor] = []  # ... and its last layer's output so far, for echoed logprobs
+        self.held: list[int] = []  # the tokens whose keys the prompt row holds, from position 0 (joins' prompts)
         self.stopping = self.closed = False
 
     def submit(self, request: Request):
@@ -331,8 +334,20 @@ class Scheduler:
 
     def start_prefill(self):
         if self.pending:
-            self.prefilling = self.pending.pop(0)
-            self.chunks, self.prompt_states = join_chunks(self.prefilling.prompt, self.engine.join_chunk), []
+            self.prefilling = request = self.pending.pop(0)
+            start = self.shared(request)
+            self.chunks, self.prompt_states = join_chunks(request.prompt, self.engine.join_chunk, start), []
+            self.held = request.prompt[:start]  # the chunks write from there on
+
+    def shared(self, request: Request) -> int:
+        """How many of the request's first positions the prompt row holds already (from the prompts that
+        joined before it), which its join skips; never its last, whose logits start it. None where its
+        prompt's own logprobs are asked (they come from its chunks' outputs), nor through a sliding-window
+        ring, whose slots hold only the last positions written; and a chunk stays within the context."""
+        if wants_prompt_logprobs(request) or self.engine.model.config.sliding_window:
+            return 0
+        same = len(os.path.commonprefix([self.held, request.prompt]))
+        return max(0, min(same, len(request.prompt) - 1, self.context - self.engine.join_chunk))
 
     def start(self, row: int, request: Request, logits: Tensor, states: Tensor | None):
         """The request, prefilled into row: its prompt's logprobs if asked (states: its last layer's output
@@ -363,7 +378,7 @@ class Scheduler:
                     fail(request, e)
                     self.free(row)
             if joining is not None:
-                self.prefilling = None
+                self.prefilling, self.held = None, []  # what the prompt row holds is not known
                 fail(joining, e)
             return
         logits = out if chunk is None else out[0][:n]
@@ -375,6 +390,7 @@ class Scheduler:
                 self.positions[row] += 1
                 self.emit(row, logits[row: row + 1, -1], greedy[row])
         if chunk is not None:
+            self.held = joining.prompt[: chunk[1][0] + chunk[2]]
             if wants_prompt_logprobs(joining):  # the chunk's states at the prompt's own positions
                 self.prompt_states.append(out[1][:, :chunk[2]])
             if not self.chunks:  # its last: the logits at the prompt's last position; its cache into a free row
@@ -401,14 +417,16 @@ class Scheduler:
         self.free(row)
 
 
-def join_chunks(prompt: list[int], size: int) -> list[tuple[list[int], list[int], int]]:
-    """The chunks in which a prompt joins the running rows, `size` positions each (one compiled step):
-    (tokens, positions, how many of them are the prompt's). The last ends at the prompt's last position;
-    the first holds what is left of the prompt, then zeros, at positions that the next chunk writes again
-    (or, for a prompt shorter than a chunk, past its end, masked until decoding writes them)."""
-    first = len(prompt) - size * ((len(prompt) - 1) // size)
-    chunks = [(prompt[:first] + [0] * (size - first), list(range(size)), first)]
-    return chunks + [(prompt[p: p + size], list(range(p, p + size)), size) for p in range(first, len(prompt), size)]
+def join_chunks(prompt: list[int], size: int, start: int = 0) -> list[tuple[list[int], list[int], int]]:
+    """The chunks in which a prompt joins the running rows from position start on (the cache holds the
+    ones before), `size` positions each (one compiled step): (tokens, positions, how many of them are the
+    prompt's). The last ends at the prompt's last position; the first holds what is left of the prompt,
+    then zeros, at positions that the next chunk writes again (or, for a prompt shorter than a chunk, past
+    its end, masked until decoding writes them)."""
+    first = len(prompt) - start - size * ((len(prompt) - start - 1) // size)
+    chunks = [(prompt[start: start + first] + [0] * (size - first), list(range(start, start + size)), first)]
+    return chunks + [(prompt[p: p + size], list(range(p, p + size)), size)
+                     for p in range(start + first, len(prompt), size)]
 
 
 def wants_prompt_logprobs(request: Request) -> bool:

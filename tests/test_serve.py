@@ -84,13 +84,58 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
 
 
 def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
-    for length, size in [(1, 4), (4, 4), (5, 4), (36, 16), (3, 16)]:
+    for length, size, start in [(1, 4, 0), (4, 4, 0), (5, 4, 0), (36, 16, 0), (3, 16, 0), (36, 16, 24), (5, 4, 4)]:
         prompt = list(range(100, 100 + length))
-        chunks = serve.join_chunks(prompt, size)
+        chunks = serve.join_chunks(prompt, size, start)
         assert all(len(tokens) == len(positions) == size for tokens, positions, _ in chunks)
         assert chunks[-1][1][chunks[-1][2] - 1] == length - 1  # the last chunk's prompt ends the prompt
-        assert [t for tokens, _, n in chunks for t in tokens[:n]] == prompt
-        assert [p for _, positions, n in chunks for p in positions[:n]] == list(range(length))
+        assert [t for tokens, _, n in chunks for t in tokens[:n]] == prompt[start:]
+        assert [p for _, positions, n in chunks for p in positions[:n]] == list(range(start, length))
+
+
+def test_a_prompt_joins_from_where_it_parts_from_the_one_before(model_fp32, tokenizer):
+    """Two chats (the same system prompt) join running rows one after the other: the second's chunks start
+    where it parts from the first, whose keys the prompt row still holds, and each gets the greedy tokens
+    generate() gives it alone (the bundled model in fp32: its answers hang on the system prompt). A prompt
+    whose own logprobs are asked, or a model with a sliding-window ring, computes every position; a
+    prompt's last position is always computed."""
+    chats = [tokenizer.encode_dialog([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    shared = len(os.path.commonprefix(chats))
+    prompts, lengths = [[1, 2], [3, 4], *chats], [60, 60, 4, 8]
+    expected = [generate(model_fp32, torch.tensor(p), n, temperature=0)[len(p):].tolist()
+                for p, n in zip(prompts, lengths)]
+    engine = serve.Engine(copy.deepcopy(model_fp32), 3, CONTEXT, decode.EAGER, join_chunk=8)
+    chunks, step = [], engine.step
+    engine.step = lambda tokens, positions, chunk=None: (chunk and chunks.append(chunk[1])) or step(tokens, positions,
+                                                                                                    chunk)
+    scheduler = serve.Scheduler(engine, 3, CONTEXT)
+
+    async def ask_all() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        requests = [serve.Request(p, n, loop=loop, events=asyncio.Queue()) for p, n in zip(prompts, lengths)]
+        for request in requests:  # the first two prefilled together; the chats join them, one at a time
+            scheduler.submit(request)
+        threading.Thread(target=scheduler.run, daemon=True).start()
+        answers = []
+        for request in requests:
+            tokens = []
+            while (event := await asyncio.wait_for(request.events.get(), 120))[0] == "token":
+                tokens.append(event[1])
+            answers.append(tokens)
+        scheduler.stop()
+        return answers
+
+    assert asyncio.run(ask_all()) == expected
+    first = len(serve.join_chunks(chats[0], 8))  # the first chat's chunks, from position 0
+    assert chunks[0][0] == 0 and shared > 16 and chunks[first][0] == shared  # the second's, where they part
+    scheduler.held = chats[0]
+    asking = serve.Request(chats[1], 1, echo=True, logprobs=0)
+    assert [scheduler.shared(serve.Request(chats[1], 1)), scheduler.shared(asking)] == [shared, 0]
+    assert scheduler.shared(serve.Request(chats[0], 1)) == len(chats[0]) - 1
+    window = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, block_size=128, sliding_window=8))
+    ringed = serve.Scheduler(serve.Engine(window.eval(), 3, 64, decode.EAGER, prefill_chunk=16, join_chunk=4), 3, 64)
+    ringed.held = [1, 2, 3]
+    assert ringed.shared(serve.Request([1, 2, 3, 4], 1)) == 0
 
 
 def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
