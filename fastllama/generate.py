@@ -514,16 +514,18 @@ def said_if_interrupted(stream: TextStream | None):
 def cpu_clock() -> tuple[float, float, float] | None:
     """Seconds: the wall clock, the CPU time every process has spent on the cores this one may run on
     (Linux's /proc/stat: all but idle and iowait, a hypervisor's steal included), and this process's own
-    CPU time. None where there is no /proc/stat."""
+    CPU time, with its children's that have ended (a CPU kernel built at first use compiles in them: not
+    another process's load). None where there is no /proc/stat."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
     cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     ticks = [[int(n) for n in line.split()[1:9]] for line in lines if line.split(maxsplit=1)[0] in cores]
-    own = resource.getrusage(resource.RUSAGE_SELF)
+    own = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                         resource.RUSAGE_CHILDREN)))
     busy = sum(sum(t) - t[3] - t[4] for t in ticks) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+    return time.perf_counter(), busy, own
 
 
 def busy_cores(since: tuple[float, float, float] | None) -> float | None:

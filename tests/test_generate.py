@@ -344,6 +344,14 @@ def test_help_shows_defaults(capsys):
     assert "(default: bf16)" in out and "(default: a chat answer's end of turn, within 4096 positions" in out
 
 
+def test_the_cpu_time_of_our_own_children_is_ours():
+    """A CPU kernel built at first use compiles in child processes: their time is this process's own, not
+    other processes' load (on 2 cores fit_threads took it for a busy core, and decoded on one thread)."""
+    before = gen.cpu_clock()
+    subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 1: pass"], check=True)
+    assert gen.cpu_clock()[2] - before[2] >= 0.9
+
+
 def test_decoding_threads_fit_the_cores_other_processes_leave(monkeypatch, capsys):
     """A process spinning on one of our cores is seen as one busy core; the CLI then decodes on the cores
     left (OpenMP's team would wait on its thread that shares a core), unless OMP_NUM_THREADS says, and says
