@@ -160,7 +160,7 @@ def main(args):
             theirs.terminate()
             theirs.wait(timeout=60)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1, default=str))
 
 
 if __name__ == "__main__":
