@@ -61,7 +61,15 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
     engine.prefill = lambda prompts, states: (prefilled.append((len(prompts), rows - scheduler.rows.count(None)))
                                               or prefill(prompts, states))
     scheduler = serve.Scheduler(engine, rows, 64)
+    assert scheduled(scheduler, prompts, lengths) == expected
+    assert any(joined) == (rows > 1)  # prompts of up to 15 positions joined running rows 4 at a time
+    assert prefilled[0] == (rows, 0)  # the first ones together, nothing running
+    assert any(running for _, running in prefilled) == (rows > 1)  # and later some while rows ran
 
+
+def scheduled(scheduler: serve.Scheduler, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """The scheduler alone (no HTTP), in a thread of its own: the greedy tokens of each prompt, all submitted
+    before it starts, each asking for its length of tokens, which each gets; then it stops."""
     async def ask_all() -> list[list[int]]:
         loop = asyncio.get_running_loop()
         requests = [serve.Request(p, n, loop=loop, events=asyncio.Queue()) for p, n in zip(prompts, lengths)]
@@ -71,16 +79,14 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
         answers = []
         for request in requests:
             tokens = []
-            while (event := await asyncio.wait_for(request.events.get(), 60))[0] == "token":
+            while (event := await asyncio.wait_for(request.events.get(), 120))[0] == "token":
                 tokens.append(event[1])
             assert event == ("end", "length")
             answers.append(tokens)
+        scheduler.stop()
         return answers
 
-    assert asyncio.run(ask_all()) == expected
-    assert any(joined) == (rows > 1)  # prompts of up to 15 positions joined running rows 4 at a time
-    assert prefilled[0] == (rows, 0)  # the first ones together, nothing running
-    assert any(running for _, running in prefilled) == (rows > 1)  # and later some while rows ran
+    return asyncio.run(ask_all())
 
 
 def test_a_prompt_joins_in_chunks_of_one_size_ending_at_its_end():
@@ -109,23 +115,7 @@ def test_a_prompt_joins_from_where_it_parts_from_the_one_before(model_fp32, toke
     engine.step = lambda tokens, positions, chunk=None: (chunk and chunks.append(chunk[1])) or step(tokens, positions,
                                                                                                     chunk)
     scheduler = serve.Scheduler(engine, 3, CONTEXT)
-
-    async def ask_all() -> list[list[int]]:
-        loop = asyncio.get_running_loop()
-        requests = [serve.Request(p, n, loop=loop, events=asyncio.Queue()) for p, n in zip(prompts, lengths)]
-        for request in requests:  # the first two prefilled together; the chats join them, one at a time
-            scheduler.submit(request)
-        threading.Thread(target=scheduler.run, daemon=True).start()
-        answers = []
-        for request in requests:
-            tokens = []
-            while (event := await asyncio.wait_for(request.events.get(), 120))[0] == "token":
-                tokens.append(event[1])
-            answers.append(tokens)
-        scheduler.stop()
-        return answers
-
-    assert asyncio.run(ask_all()) == expected
+    assert scheduled(scheduler, prompts, lengths) == expected  # the first two prefilled together; the chats join
     first = len(serve.join_chunks(chats[0], 8))  # the first chat's chunks, from position 0
     assert chunks[0][0] == 0 and shared > 16 and chunks[first][0] == shared  # the second's, where they part
     scheduler.held = chats[0]
