@@ -14,12 +14,11 @@ batch into free rows, the running rows waiting for it (at most --prefill_chunk p
 otherwise a prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a
 decode step of the rows already running (one forward reads the weights once for both, and their streams
 keep flowing), and is then copied into its row. The extra row keeps the last joined prompt's keys and
-values, so a prompt that begins as it did (a system prompt that chats share, say) joins from where
-they part. The running requests are kept in the cache's first rows
-(a request's cache moves down into a row freed below it), and every decode step runs them at once, as the
-first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once, before the first request:
-CUDA graphs on a GPU); each row samples with its own settings and random stream, outside the step, so that
-no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
+values, so a prompt that begins as it did (a system prompt that chats share, say) joins from where they
+part. The running requests are kept in the cache's first rows (a request's cache moves down into a row
+freed below it), and every decode step runs them at once, as the first 1, 2, 4, ... rows of the cache (a
+few fixed shapes, each compiled once, before the first request: CUDA graphs on a GPU); each row samples
+with its own settings and random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
 string (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the
 tokens it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the
 others hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C
@@ -341,7 +340,7 @@ class Scheduler:
 
     def shared(self, request: Request) -> int:
         """How many of the request's first positions the prompt row holds already (from the prompts that
-        joined before it), which its join skips; never its last, whose logits start it. None where its
+        joined before it), which its join skips; never its last, whose logits start it. Nothing where its
         prompt's own logprobs are asked (they come from its chunks' outputs), nor through a sliding-window
         ring, whose slots hold only the last positions written; and a chunk stays within the context."""
         if wants_prompt_logprobs(request) or self.engine.model.config.sliding_window:

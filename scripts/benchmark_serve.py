@@ -89,7 +89,7 @@ def load(base: str, model: str, clients: int, requests: int, max_tokens: int, to
 
     def client(i: int):
         for j in range(requests):
-            # the same lengths for every server: a request's own, spread by two steps prime to each other
+            # each request its own length, the same for every server: strides of 17 a client, 29 a request
             n = (max_tokens + 1) // 2 + (17 * i + 29 * j) % max_tokens if vary else max_tokens
             text, times, start = stream_one(base, model, PROMPTS[(i * requests + j) % len(PROMPTS)], n)
             with lock:
