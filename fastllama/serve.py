@@ -8,21 +8,21 @@ POST /v1/completions (with echo and logprobs, as lm-eval's local-completions sco
 GET /v1/models, GET /health; `stream` answers with server-sent events ending in `data: [DONE]`.
 
 One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows, and
-one more (HTTP runs in another thread). A request waits for a free row. Prompts waiting, when there are
-at least as many as rows running (a burst, or any while nothing runs), are prefilled together in one
-batch into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded);
-otherwise a prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a
-decode step of the rows already running (one forward reads the weights once for both, and their streams
-keep flowing), and is then copied into its row. The extra row keeps the last joined prompt's keys and
-values, so a prompt that begins as it did (a system prompt that chats share, say) joins from where they
-part. The running requests are kept in the cache's first rows (a request's cache moves down into a row
-freed below it), and every decode step runs them at once, as the first 1, 2, 4, ... rows of the cache (a
-few fixed shapes, each compiled once, before the first request: CUDA graphs on a GPU); each row samples
-with its own settings and random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop token, max_tokens, a stop
-string (the HTTP side finds those in the text), or a client gone away. In fp32 a greedy request gets the
-tokens it gets alone, whatever else runs beside it: each row's numbers are computed the same whatever the
-others hold. An error in one request answers that request, and the server goes on; SIGTERM or Ctrl-C
-answers the requests still open with a 503 error object and stops.
+one more (HTTP runs in another thread). A request waits for a free row. Prompts waiting, when there are at
+least as many as rows running (a burst, or any while nothing runs), are prefilled together in one batch
+into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded); otherwise a
+prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a decode step of
+the rows already running (one forward reads the weights once for both, and their streams keep flowing),
+and is then copied into its row. The extra row keeps the last joined prompt's keys and values, so a prompt
+that begins as it did (a system prompt that chats share, say) joins from where they part. The running
+requests are kept in the cache's first rows (a request's cache moves down into a row freed below it), and
+every decode step runs them at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each
+compiled once, before the first request: CUDA graphs on a GPU); each row samples with its own settings and
+random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request
+ends: a stop token, max_tokens, a stop string (the HTTP side finds those in the text), or a client gone
+away. In fp32 a greedy request gets the tokens it gets alone, whatever else runs beside it: each row's
+numbers are computed the same whatever the others hold. An error in one request answers that request, and
+the server goes on; SIGTERM or Ctrl-C answers the requests still open with a 503 error object and stops.
 
 Under torchrun (`torchrun --nproc_per_node=N serve.py`) the model is sharded as generate.py shards it:
 rank 0 serves HTTP and schedules, and every rank makes the same calls to its shard (Engine).
