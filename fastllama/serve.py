@@ -51,7 +51,7 @@ from .checkpoint import load_config
 from .errors import UserError, run_cli
 from .generate import (KV_CACHE_DTYPES, PRECISIONS, busy_cores, compiled_steps, cpu_clock, default_device,
                       find_checkpoint, fit_threads, get_tokenizer, load_model)
-from .model import PREFILL_CHUNK, Attention, Transformer
+from .model import PREFILL_CHUNK, Transformer
 from .tokenizer import TextPieces, Tokenizer
 
 # what an OpenAI request may carry that this server does not do: refused in one line, not ignored
@@ -127,12 +127,6 @@ class Engine:
         # (a second copy in memory): a step of 8 rows takes 1.7x one row's so, 2.8x without
         # (benchmarks/RESULTS.md, "The server's steps through oneDNN's packed weights")
         cpu_decode.pack(model)
-        # and on CPU they keep the compiled form of attention: under the server's load its steps measured
-        # slower through cpu_attention.cpp's kernel, though a step of 8 rows alone is faster through it (the
-        # cause is not found yet: benchmarks/RESULTS.md, "A decode attention kernel of our own")
-        for module in model.modules():
-            if isinstance(module, Attention) and self.device.type == "cpu":
-                module.decode_kernel = None
 
     def call(self, name: str, *args):
         if self.world > 1:
