@@ -71,24 +71,25 @@ def prefill(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", **
 
 
 def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Steps", states: bool = False,
-                   first: int = 0):
+                   first: int = 0, start: int = 0):
     """Fill the cache's rows first .. first + B - 1 with the prompts, `model.chunk` positions a forward
     (steps.prefill_chunk), so that activation memory is bounded by the chunk whatever the prompt's length,
-    and compiled prefill sees a few shapes only. Returns the logits of each row's last prompt position,
+    and compiled prefill sees a few shapes only; from position start on, where the rows hold the positions
+    before it already. Returns the logits of each row's last prompt position,
     (B, 1, V); with states, also the last layer's output at every position (B, T, dim), for a drafter
     that reads them, or a server's prompt logprobs.
     A prompt of one token is run by the plain prefill_chunk whatever steps holds: compiled prefill
     specializes a dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]
-    positions = prompt_positions(lengths, T, model.chunk)
+    positions = prompt_positions(lengths, T, model.chunk) + start
     forward = steps.prefill_chunk if T > 1 else prefill_chunk
     logits, hidden = None, []
-    for start, end, in_chunk_last, holds_last in prompt_chunks(lengths - 1, T, model.chunk):
+    for begin, end, in_chunk_last, holds_last in prompt_chunks(lengths - 1, T, model.chunk):
         # copies with strides of their own (a slice keeps the whole row's), so that compiled prefill
         # sees the same strides in every chunk: one graph. The chunk reads the slots below its end (a
         # row's padding, at positions past it, then sees fewer keys than it would: its output is unused)
-        ids, pos = (t[:, start:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
-        keys = key_positions(model, end, idx.shape[0])
+        ids, pos = (t[:, begin:end].clone(memory_format=torch.contiguous_format) for t in (idx, positions))
+        keys = key_positions(model, start + end, idx.shape[0])
         chunk_logits, chunk_states = forward(model, ids, pos, in_chunk_last, keys, first)
         logits = kept(holds_last, chunk_logits, logits)
         if states:

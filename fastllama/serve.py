@@ -10,19 +10,21 @@ GET /v1/models, GET /health; `stream` answers with server-sent events ending in 
 One thread, the main one, runs the Scheduler, which owns the model and a cache of --max_batch rows, and
 one more (HTTP runs in another thread). A request waits for a free row. Prompts waiting, when there are at
 least as many as rows running (a burst, or any while nothing runs), are prefilled together in one batch
-into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded); otherwise a
-prompt goes into the extra row, --join_chunk positions at a time, each chunk carried by a decode step of
-the rows already running (one forward reads the weights once for both, and their streams keep flowing),
-and is then copied into its row. The extra row keeps the last joined prompt's keys and values, so a prompt
-that begins as it did (a system prompt that chats share, say) joins from where they part. The running
-requests are kept in the cache's first rows (a request's cache moves down into a row freed below it), and
-every decode step runs them at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each
-compiled once, before the first request: CUDA graphs on a GPU); each row samples with its own settings and
-random stream, outside the step, so that no mix of requests recompiles it. A row is freed when its request
-ends: a stop token, max_tokens, a stop string (the HTTP side finds those in the text), or a client gone
-away. In fp32 a greedy request gets the tokens it gets alone, whatever else runs beside it: each row's
-numbers are computed the same whatever the others hold. An error in one request answers that request, and
-the server goes on; SIGTERM or Ctrl-C answers the requests still open with a 503 error object and stops.
+into free rows, the running rows waiting for it (at most --prefill_chunk positions, padded), the beginning
+they all share computed once where that saves enough positions (SHARED); otherwise a prompt goes into the
+extra row, --join_chunk positions at a time, each chunk carried by a decode step of the rows already
+running (one forward reads the weights once for both, and their streams keep flowing), and is then copied
+into its row. The extra row keeps the last joined prompt's keys and values, so a prompt that begins as it
+did (a system prompt that chats share, say) joins from where they part. The running requests are kept in
+the cache's first rows (a request's cache moves down into a row freed below it), and every decode step
+runs them at once, as the first 1, 2, 4, ... rows of the cache (a few fixed shapes, each compiled once,
+before the first request: CUDA graphs on a GPU); each row samples with its own settings and random stream,
+outside the step, so that no mix of requests recompiles it. A row is freed when its request ends: a stop
+token, max_tokens, a stop string (the HTTP side finds those in the text), or a client gone away. In fp32 a
+greedy request gets the tokens it gets alone, whatever else runs beside it (docs/design.md, "A few shapes
+for every step", says where its numbers can move by rounding). An error in one request answers that
+request, and the server goes on; SIGTERM or Ctrl-C answers the requests still open with a 503 error object
+and stops.
 
 Under torchrun (`torchrun --nproc_per_node=N serve.py`) the model is sharded as generate.py shards it:
 rank 0 serves HTTP and schedules, and every rank makes the same calls to its shard (Engine).
@@ -105,6 +107,10 @@ class Request:
 # more make the step slower for every running stream, fewer make a prompt wait more steps for its row, idle
 # meanwhile (benchmarks/RESULTS.md, "Prompts carried by decode steps", "Joining prompts 16 positions a step")
 JOIN_CHUNK = 16
+# positions that prompts prefilled together must save, by the beginning they share, for it to go into one row
+# alone first and be copied into the others': that forward reads every weight once more, which costs what
+# about 40 positions do on 2 cores (benchmarks/RESULTS.md, "A burst's shared beginning prefilled once")
+SHARED = 48
 
 
 class Engine:
@@ -147,12 +153,18 @@ class Engine:
             except Exception:  # noqa: BLE001 - rank 0 met it too, and answers the request that met it
                 pass
 
-    def prefill(self, prompts: list[list[int]], states: bool):
+    def prefill(self, prompts: list[list[int]], states: bool, shared: int = 0):
         """The prompts, whole, into the cache's first rows, one each, in one batch: decode.prefill_logits'
-        result. Always from row 0, so that compiled prefill sees one row number (Scheduler.prefill_together)."""
-        ids = decode.right_padded([torch.tensor(p) for p in prompts], max(map(len, prompts)), self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        return decode.prefill_logits(self.model, ids, lengths, self.steps, states)
+        result. Always from row 0, so that compiled prefill sees one row number (Scheduler.prefill_together).
+        Their first `shared` tokens, the same in all, go into row 0 alone first and are copied into the others'."""
+        if shared:
+            self.prefill([prompts[0][:shared]], False, 0)
+            for row in range(1, len(prompts)):
+                self.copy(0, row, shared)
+        ids = decode.right_padded([torch.tensor(p[shared:]) for p in prompts], max(map(len, prompts)) - shared,
+                                  self.device)
+        lengths = torch.tensor([len(p) - shared for p in prompts], device=self.device)
+        return decode.prefill_logits(self.model, ids, lengths, self.steps, states, start=shared)
 
     def copy(self, source: int, row: int, length: int):
         """The cache's row source, its first length positions, into row (a joined prompt's, a moved request's)."""
@@ -314,8 +326,11 @@ class Scheduler:
         above = range(max(running, len(group)), running + len(group))  # free rows (the running ones are the first)
         for source, row in zip(range(min(running, len(group))), above):
             self.move(source, row)
+        prompts, states = [r.prompt for r in group], any(map(wants_prompt_logprobs, group))
+        shared = 0 if states or self.engine.model.config.sliding_window else len(os.path.commonprefix(prompts))
+        shared = min(shared, min(map(len, prompts)) - 1)  # each prompt's last position is computed: its logits
         try:
-            result = self.engine.call("prefill", [r.prompt for r in group], any(map(wants_prompt_logprobs, group)))
+            result = self.engine.call("prefill", prompts, states, shared if (len(group) - 1) * shared >= SHARED else 0)
         except Exception as e:  # noqa: BLE001 - these requests' failure is their own answer, not the server's end
             for request in group:
                 fail(request, e)

@@ -58,8 +58,8 @@ def test_requests_past_the_rows_wait_for_one_and_all_finish(rows, window):
     joined, prefilled, step, prefill = [], [], engine.step, engine.prefill
     engine.step = lambda *args: joined.append(args[2:] != (None,)) or step(*args)
     # how many prompts each prefill takes, and how many rows were running meanwhile
-    engine.prefill = lambda prompts, states: (prefilled.append((len(prompts), rows - scheduler.rows.count(None)))
-                                              or prefill(prompts, states))
+    engine.prefill = lambda prompts, *args: (prefilled.append((len(prompts), rows - scheduler.rows.count(None)))
+                                             or prefill(prompts, *args))
     scheduler = serve.Scheduler(engine, rows, 64)
     assert scheduled(scheduler, prompts, lengths) == expected
     assert any(joined) == (rows > 1)  # prompts of up to 15 positions joined running rows 4 at a time
@@ -128,6 +128,25 @@ def test_a_prompt_joins_from_where_it_parts_from_the_one_before(model_fp32, toke
     assert ringed.shared(serve.Request([1, 2, 3, 4], 1)) == 0
 
 
+def test_prompts_prefilled_together_compute_the_beginning_they_share_once(model_fp32, tokenizer):
+    """Four chats at once (the same system prompt) are prefilled together: their shared beginning into one row
+    alone, copied into the others', then each one's rest from there; each gets the greedy tokens generate()
+    gives it alone (the bundled model in fp32). Two chats share too little for the extra forward to pay."""
+    chats = [tokenizer.encode_dialog([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    shared = len(os.path.commonprefix(chats))
+    lengths = [6, 3, 5, 4]
+    expected = [generate(model_fp32, torch.tensor(p), n, temperature=0)[len(p):].tolist()
+                for p, n in zip(chats, lengths)]
+    engine = serve.Engine(copy.deepcopy(model_fp32), 4, CONTEXT, decode.EAGER)
+    calls, prefill = [], engine.prefill
+    engine.prefill = lambda prompts, *args: calls.append((len(prompts), *args[1:])) or prefill(prompts, *args)
+    assert scheduled(serve.Scheduler(engine, 4, CONTEXT), chats, lengths) == expected
+    assert shared > 16 and calls == [(4, shared), (1, 0)]  # all four, then their beginning alone (within)
+    calls.clear()
+    scheduled(serve.Scheduler(engine, 2, CONTEXT), chats[:2], lengths[:2])
+    assert calls == [(2, 0)]
+
+
 def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
     """Engine.warm (serve.py --compile) steps each row count the scheduler uses, a step carrying a prompt's
     chunk, and prefills one prompt and two: compiled code then compiles none of them mid-stream."""
@@ -148,9 +167,9 @@ def test_a_compiled_server_runs_every_shape_of_step_before_its_first_request():
 def test_after_warming_a_compiled_engine_compiles_nothing():
     """What the scheduler runs after Engine.warm, compiled for real, with a bf16 model in its CPU forms (through
     packed weights where oneDNN has bf16 kernels): steps of each row count at other positions, a step
-    carrying a chunk, prompts prefilled together of other counts and lengths, and one alone: not one graph
-    compiled again (the output head's product over a batch's last positions asked whether it had 2 rows,
-    and compiled each count of prompts again)."""
+    carrying a chunk, prompts prefilled together of other counts and lengths (and from a shared beginning),
+    and one alone: not one graph compiled again (the output head's product over a batch's last positions
+    asked whether it had 2 rows, and compiled each count of prompts again)."""
     torch._dynamo.reset()  # past the recompile limit (other tests' models) dynamo would run it eagerly, unasked
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
@@ -161,6 +180,7 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):  # as Scheduler.run
         for prompts in ([[1] * 7] * 3, [[2] * 5, [3] * 9], [[4] * 6], [[5] * 3] * 3):
             engine.prefill(prompts, False)
+        engine.prefill([[6] * 8 + [i] * 3 for i in range(3)], False, 8)  # a shared beginning first
         for rows in (1, 2, 3):
             engine.step([1] * rows, [9] * rows)
         engine.step([1] * 3, [9] * 3, serve.join_chunks(list(range(10)), 4)[1])
