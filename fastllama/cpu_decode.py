@@ -263,8 +263,6 @@ if PACKABLE:
     _ops.impl("packed_linear", lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]), "Meta")
 
 
-
-
 class FewRowLinear(nn.Linear):
     """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
     rows runs in matmul_dtype (same weights, another forward). Once pack() has made a packed weight,
