@@ -75,9 +75,9 @@ def prefill_logits(model: Transformer, idx: Tensor, lengths: Tensor, steps: "Ste
     """Fill the cache's rows first .. first + B - 1 with the prompts, `model.chunk` positions a forward
     (steps.prefill_chunk), so that activation memory is bounded by the chunk whatever the prompt's length,
     and compiled prefill sees a few shapes only; from position start on, where the rows hold the positions
-    before it already. Returns the logits of each row's last prompt position,
-    (B, 1, V); with states, also the last layer's output at every position (B, T, dim), for a drafter
-    that reads them, or a server's prompt logprobs.
+    before it already. Returns the logits of each row's last prompt position, (B, 1, V); with states, also
+    the last layer's output at every position (B, T, dim), for a drafter that reads them, or a server's
+    prompt logprobs.
     A prompt of one token is run by the plain prefill_chunk whatever steps holds: compiled prefill
     specializes a dimension of size 1, and would compile a graph for that length alone."""
     T = idx.shape[1]

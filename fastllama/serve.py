@@ -329,8 +329,10 @@ class Scheduler:
         prompts, states = [r.prompt for r in group], any(map(wants_prompt_logprobs, group))
         shared = 0 if states or self.engine.model.config.sliding_window else len(os.path.commonprefix(prompts))
         shared = min(shared, min(map(len, prompts)) - 1)  # each prompt's last position is computed: its logits
+        if (len(group) - 1) * shared < SHARED:  # too few positions saved to pay for the forward of its own
+            shared = 0
         try:
-            result = self.engine.call("prefill", prompts, states, shared if (len(group) - 1) * shared >= SHARED else 0)
+            result = self.engine.call("prefill", prompts, states, shared)
         except Exception as e:  # noqa: BLE001 - these requests' failure is their own answer, not the server's end
             for request in group:
                 fail(request, e)

@@ -141,7 +141,7 @@ def test_prompts_prefilled_together_compute_the_beginning_they_share_once(model_
     calls, prefill = [], engine.prefill
     engine.prefill = lambda prompts, *args: calls.append((len(prompts), *args[1:])) or prefill(prompts, *args)
     assert scheduled(serve.Scheduler(engine, 4, CONTEXT), chats, lengths) == expected
-    assert shared > 16 and calls == [(4, shared), (1, 0)]  # all four, then their beginning alone (within)
+    assert shared > 16 and calls == [(4, shared), (1, 0)]  # all four; within that call, their beginning alone
     calls.clear()
     scheduled(serve.Scheduler(engine, 2, CONTEXT), chats[:2], lengths[:2])
     assert calls == [(2, 0)]
@@ -190,7 +190,8 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
 def test_a_bf16_cpu_engine_steps_through_packed_weights():
     """On a CPU with oneDNN's bf16 kernels the engine's model reads a packed copy of each linear's weight (a
     step of several rows costs much less so), current; and its attention keeps the CPU's kernel where the
-    machine has it (an earlier engine set it aside)."""
+    machine has it, which the server's steps run faster through (benchmarks/RESULTS.md, "The attention kernel
+    in the server, a third time")."""
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, head_dim=16,
                                   block_size=128))  # heads of 16: the CPU's attention kernel takes them
     model = model.to(torch.bfloat16).eval()
@@ -199,7 +200,8 @@ def test_a_bf16_cpu_engine_steps_through_packed_weights():
     linears = [m for m in model.modules() if isinstance(m, cpu_decode.FewRowLinear)]
     assert linears and all(m.packed_is_current() for m in linears)
     kernel = cpu_decode.decode_attention if cpu_decode.USE_ATTENTION_KERNEL and cpu_decode.attention_kernel() else None
-    assert all(m.decode_kernel is kernel for m in model.modules() if isinstance(m, Attention))
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attentions and all(m.decode_kernel is kernel for m in attentions)
 
 
 def free_port() -> int:
