@@ -326,13 +326,12 @@ class Scheduler:
         above = range(max(running, len(group)), running + len(group))  # free rows (the running ones are the first)
         for source, row in zip(range(min(running, len(group))), above):
             self.move(source, row)
-        prompts, states = [r.prompt for r in group], any(map(wants_prompt_logprobs, group))
-        shared = 0 if states or self.engine.model.config.sliding_window else len(os.path.commonprefix(prompts))
-        shared = min(shared, min(map(len, prompts)) - 1)  # each prompt's last position is computed: its logits
+        shared = self.beginning(group)
         if (len(group) - 1) * shared < SHARED:  # too few positions saved to pay for the forward of its own
             shared = 0
         try:
-            result = self.engine.call("prefill", prompts, states, shared)
+            result = self.engine.call("prefill", [r.prompt for r in group], any(map(wants_prompt_logprobs, group)),
+                                      shared)
         except Exception as e:  # noqa: BLE001 - these requests' failure is their own answer, not the server's end
             for request in group:
                 fail(request, e)
@@ -351,13 +350,18 @@ class Scheduler:
 
     def shared(self, request: Request) -> int:
         """How many of the request's first positions the prompt row holds already (from the prompts that
-        joined before it), which its join skips; never its last, whose logits start it. Nothing where its
-        prompt's own logprobs are asked (they come from its chunks' outputs), nor through a sliding-window
-        ring, whose slots hold only the last positions written; and a chunk stays within the context."""
-        if wants_prompt_logprobs(request) or self.engine.model.config.sliding_window:
+        joined before it), which its join skips (beginning); a chunk stays within the context."""
+        return max(0, min(self.beginning([request], [self.held]), self.context - self.engine.join_chunk))
+
+    def beginning(self, requests: list[Request], also: list[list[int]] = ()) -> int:
+        """How many first positions the requests' prompts (and `also`) share, which a prefill need compute only
+        once; never a prompt's last, whose logits start it. Nothing where a prompt's own logprobs are asked
+        (they come from the outputs at its positions), nor through a sliding-window ring, whose slots hold
+        only the last positions written."""
+        if any(map(wants_prompt_logprobs, requests)) or self.engine.model.config.sliding_window:
             return 0
-        same = len(os.path.commonprefix([self.held, request.prompt]))
-        return max(0, min(same, len(request.prompt) - 1, self.context - self.engine.join_chunk))
+        prompts = [r.prompt for r in requests]
+        return max(0, min(len(os.path.commonprefix(prompts + list(also))), min(map(len, prompts)) - 1))
 
     def start(self, row: int, request: Request, logits: Tensor, states: Tensor | None):
         """The request, prefilled into row: its prompt's logprobs if asked (states: its last layer's output
