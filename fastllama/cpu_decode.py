@@ -17,12 +17,15 @@ and round their output back to bf16 (matmul_dtype); fewer rows keep bf16, which 
 
     cpu_decode.apply(model)   # once, at load (generate.load_model); a no-op for a model on another device
 
-Where oneDNN has bf16 kernels of its own (AVX-512 bf16, AMX), `pack(model)` gives each bf16 linear a
-second copy of its weight in oneDNN's layout, which its products of a few rows read at the memory's
-speed, and of many rows faster than F.linear's (benchmarks/RESULTS.md, "Packed weights for verify
-steps", "Scoring through oneDNN's packed weights"): speculative_generate packs its target, so that
-a verify step's k + 1 rows cost less, and eval.py its model, for its scoring forwards (the one-row
-loop above stays faster for one or two rows, so the plain weights stay too).
+`pack(model)` gives each bf16 linear a second copy of its weight in a kernel's layout, for the callers
+whose products have several rows: speculative_generate for its target's verify steps, serve.py for its
+batched steps. Where the CPU has AVX-512 BF16 the copy is in tiles for a kernel of our own,
+cpu_linear.cpp, whose products of up to TILE_ROWS rows read it faster than oneDNN's kernel reads its own
+layout, and than the loop above at one row (benchmarks/RESULTS.md, "Bf16 products of our own on CPU").
+Where that kernel is not built (no compiler, FASTLLAMA_BF16_KERNEL=0) but oneDNN has bf16 kernels, the
+copy is in oneDNN's layout ("Packed weights for verify steps"), and one or two rows keep the loop.
+eval.py's scoring forwards, of many rows, read oneDNN's copy (`pack(model, many_rows=True)`), faster
+there than F.linear's ("Scoring through oneDNN's packed weights").
 
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
 model.py's own, so compiled decoding computes what eager decoding computes. One exception, tested
@@ -32,8 +35,8 @@ cache as stored (an int8 cache's scales applied to finished dot products), skips
 and splits a head's positions between the threads, where the compiled form read the cache at about half
 the speed (benchmarks/RESULTS.md, "A decode attention kernel of our own"). Where it cannot be built, and
 for what it does not take (soft-capped scores, head_dim not a multiple of 16), the compiled form serves.
-int4 weights have a kernel of their own likewise (cpu_int4.cpp, built by int4_kernel() below), which
-quantize.py chooses at load.
+int4 weights have a kernel of their own in cpu_linear.cpp too (int4_kernel() below), which quantize.py
+chooses at load.
 """
 
 import functools
@@ -57,10 +60,14 @@ from .moe import ExpertLinears
 # A compiled linear of at most this many rows reads its weight once for all of them (few_rows_product):
 # a verify step of k <= 8 drafts.
 FEW_ROWS = 9
-# ... of which at most this many keep that loop though a packed copy of the weight is there (FewRowLinear):
+# ... of which at most this many keep that loop though oneDNN's packed copy of the weight is there (FewRowLinear):
 # faster at one row, and at two, where oneDNN's product costs about what it costs at six
 # (benchmarks/RESULTS.md, "Packed weights for verify steps", "The draft head on the target's own chats").
 LOOP_ROWS = 2
+# A bf16 product of at most this many rows reads a copy of the weight in cpu_linear.cpp's tiles, where pack()
+# made one: faster than oneDNN's product there, and slower at many rows (benchmarks/RESULTS.md, "Bf16 products of
+# our own on CPU")
+TILE_ROWS = 32
 # From this many rows a bf16 product runs in fp32 on a CPU without native bf16 matmuls (matmul_dtype):
 # where fp32 overtakes bf16 (benchmarks/RESULTS.md, "CPUs without AVX-512").
 MANY_ROWS = 16
@@ -134,10 +141,13 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
-# ... and int4 products' (cpu_int4.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves PyTorch's
+# ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
+# PyTorch's kernel, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy to oneDNN's
 USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
+USE_BF16_KERNEL = os.environ.get("FASTLLAMA_BF16_KERNEL", "1") != "0"
 
 
+@functools.cache
 def built(name: str, what: str) -> bool:
     """Whether the kernels of fastllama/{name}.cpp are built and registered (torch.ops.fastllama): at first
     use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs with
@@ -175,14 +185,27 @@ def decode_attention(q, k, v, k_scales, v_scales, mask, scale):
 
 
 @functools.cache
-def int4_kernel():
-    """torch.ops.fastllama.int4_rows from cpu_int4.cpp (CPUs with AVX-512 BF16), or None where it cannot be
-    built (quantize.int4_kernel then chooses PyTorch's)."""
-    if not USE_INT4_KERNEL or not torch.cpu._is_avx512_bf16_supported() or not built("cpu_int4", "int4 products"):
-        return None
+def linear_kernels() -> bool:
+    """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16): torch.ops.fastllama.bf16_rows
+    and int4_rows."""
+    if not torch.cpu._is_avx512_bf16_supported() or not built("cpu_linear", "bf16 and int4 products"):
+        return False
+    torch.library.register_fake("fastllama::bf16_rows")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     torch.library.register_fake("fastllama::int4_rows")(
         lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
-    return torch.ops.fastllama.int4_rows
+    return True
+
+
+def int4_kernel():
+    """torch.ops.fastllama.int4_rows, or None where it is not built (quantize.int4_kernel then chooses
+    PyTorch's)."""
+    return torch.ops.fastllama.int4_rows if USE_INT4_KERNEL and linear_kernels() else None
+
+
+def bf16_kernel():
+    """torch.ops.fastllama.bf16_rows, or None where it is not built (pack() then makes oneDNN's copies)."""
+    return torch.ops.fastllama.bf16_rows if USE_BF16_KERNEL and linear_kernels() else None
 
 
 def attention_product(a: Tensor, b: Tensor) -> Tensor:
@@ -265,19 +288,26 @@ if PACKABLE:
 
 class FewRowLinear(nn.Linear):
     """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
-    rows runs in matmul_dtype (same weights, another forward). Once pack() has made a packed weight,
-    every bf16 product but a compiled one of at most LOOP_ROWS rows is oneDNN's over it."""
+    rows runs in matmul_dtype (same weights, another forward). Once pack() has made a copy of the weight
+    for a kernel, a bf16 product reads it: in tiles, one of at most TILE_ROWS rows; in oneDNN's layout,
+    every one but a compiled one of at most LOOP_ROWS rows."""
 
-    packed: Tensor | None = None  # the weight in oneDNN's layout (pack())
+    packed: Tensor | None = None  # the weight again: in cpu_linear.cpp's tiles or in oneDNN's layout (pack())
+    tiled: bool = False  # which of the two
     packed_from: tuple | None = None  # the weight it was made from: (storage address, version)
 
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
-        # a symbolic row count (a batch of prompts' last positions, compiled for any batch) is not asked:
-        # a guard on it would give a batch of each size a graph of its own
-        loop = few and statically_known_true(x.shape[:-1].numel() <= LOOP_ROWS)
-        if self.packed_is_current() and x.dtype == torch.bfloat16 and not loop:
-            return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
+        if self.packed_is_current() and x.dtype == torch.bfloat16:
+            if self.tiled and tile_rows(x):
+                y = torch.ops.fastllama.bf16_rows(x.reshape(-1, x.shape[-1]), self.packed)
+                y = y.view(*x.shape[:-1], -1)
+                return (y if self.bias is None else y + self.bias).to(x.dtype)
+            # a symbolic row count (a batch of prompts' last positions, compiled for any batch) is not asked:
+            # a guard on it would give a batch of each size a graph of its own
+            loop = few and statically_known_true(x.shape[:-1].numel() <= LOOP_ROWS)
+            if not self.tiled and not loop:
+                return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
         if few:
             y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
@@ -286,28 +316,51 @@ class FewRowLinear(nn.Linear):
     def packed_is_current(self) -> bool:
         """Whether there is a packed copy, made from the weight as it is now (one replaced or written in
         place since is not: its products go through the plain weight). Compiled code takes the copy as
-        it finds it: the callers that compile products over it (speculative_generate, eval.py) pack()
-        before each use."""
+        it finds it: the callers that compile products over it (speculative_generate, eval.py, serve.py)
+        pack() before each use."""
         if self.packed is None or torch.compiler.is_compiling():
             return self.packed is not None
         return self.packed_from == (self.weight.data_ptr(), self.weight._version)
 
 
-def pack(model: Transformer):
-    """Where oneDNN has bf16 kernels, give each bf16 linear of a CPU model (after apply()) a copy of its
-    weight in their layout, which its products of several rows then read (a speculative verify step's,
-    eval.py's scoring forwards): a second copy of the weights in memory. A copy made from a weight that
-    has changed since (replaced or written in place) is made anew: speculative_generate calls it before
-    its first round."""
-    if not PACKABLE:
+def tile_rows(x: Tensor) -> bool:
+    """Whether x (..., k) is at most TILE_ROWS rows, known as a number (compiled prefill's symbolic count,
+    not asked, is many)."""
+    return statically_known_true(x.shape[:-1].numel() <= TILE_ROWS)
+
+
+def tiles_layout(weight: Tensor) -> Tensor:
+    """A bf16 weight (n, k) in cpu_linear.cpp's tiles, shaped (n / 16, k / 2, 32) as it checks them: outputs in
+    tiles of 16, tiles in groups of 4 (the last may have fewer), each group one stream of bytes: for each input
+    pair, for each of the group's tiles, its 16 outputs' two weights (output i's at 2i, 2i + 1)."""
+    n, k = weight.shape
+    tiles = weight.view(n // 16, 16, k // 2, 2).transpose(1, 2)  # (tiles, pairs, 16, 2)
+    groups = [tiles[t: t + 4].transpose(0, 1).reshape(-1) for t in range(0, n // 16, 4)]
+    return torch.cat(groups).view(n // 16, k // 2, 32)
+
+
+def pack(model: Transformer, many_rows: bool = False):
+    """Give each bf16 linear of a CPU model (after apply()) a copy of its weight that a kernel reads faster
+    than the plain one: a second copy of the weights in memory. For products of a few rows (a speculative
+    verify step's, the server's steps), cpu_linear.cpp's tiles where it is built; for products of many rows
+    (`many_rows`: eval.py's scoring forwards), and where the tiles kernel is not built, oneDNN's layout, where
+    oneDNN has bf16 kernels. A copy made from a weight that has changed since (replaced or written in place)
+    is made anew: speculative_generate calls it before its first round."""
+    tiles = not many_rows and bf16_kernel() is not None
+    if not tiles and not PACKABLE:
         return
     linears = [m for m in model.modules() if type(m) is FewRowLinear and m.weight.dtype == torch.bfloat16
                and m.weight.device.type == "cpu"]
     for linear in linears:
+        tiled = tiles and linear.out_features % 16 == 0 and linear.in_features % 2 == 0
         source = (linear.weight.data_ptr(), linear.weight._version)
-        if linear.packed_from != source:
-            linear.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), FEW_ROWS)
-            linear.packed_from = source
+        if (linear.packed_from, linear.tiled) != (source, tiled) and (tiled or PACKABLE):
+            weight = linear.weight.detach()
+            linear.packed = tiles_layout(weight) if tiled else torch.ops.mkldnn._reorder_linear_weight(weight, FEW_ROWS)
+            linear.packed_from, linear.tiled = source, tiled
+            # static in compiled code, as a parameter is: prefill compiled for any length would take its sizes
+            # as symbols, and guard that one equals a prompt's length where they happen to be equal
+            torch._dynamo.mark_static(linear.packed)
 
 
 def apply(model: Transformer):

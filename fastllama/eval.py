@@ -189,7 +189,7 @@ class HarnessModel(HarnessLM):
             tokens = (context + continuation)[-(self.max_length + 1):]
             split = max(1, len(tokens) - len(continuation))
             by_prefix.setdefault(tuple(tokens[:split]), []).append((i, tokens[split:]))
-        cpu_decode.pack(self.model)  # a bf16 model on CPU scores through oneDNN's copy of its weights (faster)
+        cpu_decode.pack(self.model, many_rows=True)  # a bf16 model on CPU scores through oneDNN's copy of its weights
         for batch in tqdm(self.batches(self.rows(by_prefix)), desc="scoring", unit="batch", leave=False):
             members = [member for _, row in batch for member in row]
             logprob, greedy = self.scored_tokens(batch)  # (n,) each: the members' tokens, in order

@@ -194,7 +194,7 @@ class Int4Linear(nn.Module):
 
 def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     """The neutral layout, (n, k/2) packed levels and (n, k/groupsize) scales and mins, in `kernel`'s:
-    tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2), or cpu_int4.cpp's (below)."""
+    tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2), or cpu_linear.cpp's (below)."""
     if kernel == "cpu-avx512":
         return int4_rows_layout(weight, scales, mins)
     # tinygemm dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale
@@ -211,7 +211,7 @@ def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor
 
 
 def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
-    """cpu_int4.cpp's layout. Outputs in tiles of 16, and tiles in groups of 4 (the last may have fewer),
+    """cpu_linear.cpp's layout. Outputs in tiles of 16, and tiles in groups of 4 (the last may have fewer),
     each group one stream of bytes: for each block of 32 inputs, for each of its tiles, 256 bytes, 8 chunks
     of 32, chunk c holding the levels of the block's input pairs 2c (low nibbles) and 2c + 1 (high): byte
     2i + e is output i's at input e of each pair (a vector of one pair's 16 x 2 levels, as vdpbf16ps pairs
@@ -326,7 +326,7 @@ def int8_kernel(device: torch.device) -> str:
 
 def int4_kernel(device: torch.device, out_features: int) -> str:
     """Which int4 kernel this device and shape can use; "dequantize" where none can. On CPUs with AVX-512
-    BF16, cpu_int4.cpp's: against PyTorch's, 1.9x at many rows (prefill), 1.5x at six, even at one
+    BF16, cpu_linear.cpp's: against PyTorch's, 1.9x at many rows (prefill), 1.5x at six, even at one
     (benchmarks/RESULTS.md, "Int4 products of our own on CPU")."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0

@@ -340,7 +340,7 @@ def speculative_generate(model: Transformer, prompts: list[Tensor], max_new_toke
     # its last, since they only ever hold drafts beyond the requested length
     cache_length = decode.padded_length(T + max_new_tokens + tree_slots, model.config.block_size)
     model.setup_caches(B, cache_length, prefill_chunk, kv_cache_dtype)
-    cpu_decode.pack(model)  # a CPU bf16 target's verify steps read oneDNN's copy of its weights
+    cpu_decode.pack(model)  # a CPU bf16 target's verify steps read a copy of its weights in a kernel's layout
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     # tokens: every row's text so far, right-padded, with room for a round's k + 1 tokens past the

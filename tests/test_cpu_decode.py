@@ -126,17 +126,17 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels on this CPU")
 @torch.no_grad()
 def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
-    """After pack(), a compiled bf16 product of 3 to FEW_ROWS rows is oneDNN's over its packed copy of
-    the weight (F.linear's result, bias included) and one or two rows (LOOP_ROWS) keep the fused loop;
-    so is an eager product of any rows (eval.py's scoring); pack() keeps a current copy and makes a new
-    one for a weight written in place, and until it does, eager products read the weight as it is."""
+    """After pack(many_rows=True), a compiled bf16 product of 3 to FEW_ROWS rows is oneDNN's over its packed
+    copy of the weight (F.linear's result, bias included) and one or two rows (LOOP_ROWS) keep the fused
+    loop; so is an eager product of any rows (eval.py's scoring); pack() keeps a current copy and makes a
+    new one for a weight written in place, and until it does, eager products read the weight as it is."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
     cpu_decode.apply(linear)
-    cpu_decode.pack(linear)
+    cpu_decode.pack(linear, many_rows=True)
     first = linear.packed
-    cpu_decode.pack(linear)
-    assert linear.packed is first
+    cpu_decode.pack(linear, many_rows=True)
+    assert linear.packed is first and not linear.tiled
     torch._dynamo.reset()
     graphs = []
 
@@ -158,10 +158,69 @@ def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
     linear.weight.mul_(-1)
     x = torch.randn(2, 20, 64).bfloat16()
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    cpu_decode.pack(linear)
+    cpu_decode.pack(linear, many_rows=True)
     assert linear.packed is not first
     x = torch.randn(1, cpu_decode.FEW_ROWS, 64).bfloat16()
     torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+needs_bf16_kernel = pytest.mark.skipif(cpu_decode.bf16_kernel() is None,
+                                       reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 2)])  # groups of 3 tiles; 4 and 3; one tile
+@torch.no_grad()
+def test_the_bf16_kernel_computes_the_product_and_a_row_alone_as_in_a_batch(n, k):
+    """cpu_linear.cpp's bf16_rows over the tiles pack() makes: x w^T to fp32's rounding of the same bf16
+    numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles), and each row's numbers the same
+    bits alone as in a batch (a request's tokens in the server do not depend on who shares its steps)."""
+    weight = torch.randn(n, k).bfloat16()
+    tiles = cpu_decode.tiles_layout(weight)
+    x = torch.randn(20, k).bfloat16()
+    y = torch.ops.fastllama.bf16_rows(x, tiles)
+    assert y.dtype == torch.float32 and y.shape == (20, n)
+    torch.testing.assert_close(y, x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5, check_dtype=False)
+    for rows in (1, 3, 8, 9, 17):
+        assert torch.equal(torch.ops.fastllama.bf16_rows(x[:rows], tiles), y[:rows])
+    assert torch.equal(torch.ops.fastllama.bf16_rows(x[5:6], tiles), y[5:6])
+
+
+@needs_bf16_kernel
+@torch.no_grad()
+def test_after_pack_products_of_a_few_rows_read_the_tiles():
+    """pack() gives a bf16 linear a copy in cpu_linear.cpp's tiles: compiled and eager products of at most
+    TILE_ROWS rows read it (F.linear's result, bias included), one row too; more rows, and compiled prefill's
+    symbolic count, take the plain weight. A linear whose outputs are not whole tiles keeps oneDNN's copy."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
+    odd = torch.nn.Linear(64, 40).bfloat16()
+    cpu_decode.apply(linear), cpu_decode.apply(odd)
+    cpu_decode.pack(linear), cpu_decode.pack(odd)
+    assert linear.tiled and linear.packed.shape == (3, 32, 32) and not odd.tiled
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    step = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=False)
+    for rows in (1, 2, 6, cpu_decode.TILE_ROWS, cpu_decode.TILE_ROWS + 1):
+        x = torch.randn(1, rows, 64).bfloat16()
+        torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert ["bf16_rows" in graph.code for graph in graphs] == [True, True, True, True, False]
+    prefill = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=True)
+    for rows in (5, 7):
+        x = torch.randn(1, rows, 64).bfloat16()
+        torch.testing.assert_close(prefill(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert "bf16_rows" not in graphs[-1].code
+    for rows, read in ((3, True), (cpu_decode.TILE_ROWS + 1, False)):
+        x = torch.randn(1, rows, 64).bfloat16()
+        with torch.profiler.profile() as profile:
+            y = linear(x)
+        assert ("fastllama::bf16_rows" in [event.key for event in profile.key_averages()]) == read
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, linear.weight, linear.bias))
 
 
 def decode_attention_kernel(name: str) -> tuple:

@@ -128,7 +128,7 @@ def test_quantize_int8_error_and_range():
 
 def int4_cases():
     cases = []
-    ours = pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+    ours = pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
     for kernel in ("cpu", "cpu-avx512", "dequantize"):
         for g in GROUPSIZES:
             # k a multiple of g; k = 576 (SmolLM2's dim: a multiple of 32 and 64, padded for 128, 256);
@@ -154,7 +154,7 @@ def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tenso
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
     m.pack(kernel)
-    for M in (1, 3, 6):  # cpu_int4.cpp: 6 rows in two passes over the weight, of 4 rows and 2
+    for M in (1, 3, 6):  # cpu_linear.cpp: 6 rows in two passes over the weight, of 4 rows and 2
         x = torch.randn(1, M, k).bfloat16()
         with torch.no_grad():
             y = m(x)
@@ -162,10 +162,10 @@ def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
         assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
 
 
-@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
-    """cpu_int4.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
+    """cpu_linear.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
     as PyTorch's int4 kernels take them: its products are the dequantized weight's to fp32's precision."""
     n, k, g = 64, 256, 32
     m = Int4Linear(k, n, g, dtype=dtype)
@@ -180,7 +180,7 @@ def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     assert rel_err(y, F.linear(x.float(), w_ref)) < 1e-5
 
 
-@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_int4.cpp needs AVX-512 BF16 and a C++ compiler")
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
 def test_the_int4_kernel_of_our_own_gives_a_row_the_same_numbers_alone_and_in_a_batch():
     """Its passes take 1 to 4 rows; each row's sums are added in one order whatever the others, so that a
     prompt decodes to the same tokens alone and in a batch (generate's promise in fp32)."""

@@ -188,10 +188,10 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
 
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels of its own on this CPU")
 def test_a_bf16_cpu_engine_steps_through_packed_weights():
-    """On a CPU with oneDNN's bf16 kernels the engine's model reads a packed copy of each linear's weight (a
-    step of several rows costs much less so), current; and its attention keeps the CPU's kernel where the
-    machine has it, which the server's steps run faster through (benchmarks/RESULTS.md, "The attention kernel
-    in the server, a third time")."""
+    """On a CPU with bf16 kernels the engine's model reads a packed copy of each linear's weight (a step of
+    several rows costs much less so), current, in cpu_linear.cpp's tiles where it is built; and its attention
+    keeps the CPU's kernel where the machine has it, which the server's steps run faster through
+    (benchmarks/RESULTS.md, "The attention kernel in the server, a third time")."""
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, head_dim=16,
                                   block_size=128))  # heads of 16: the CPU's attention kernel takes them
     model = model.to(torch.bfloat16).eval()
@@ -199,6 +199,7 @@ def test_a_bf16_cpu_engine_steps_through_packed_weights():
     serve.Engine(model, 4, 64, decode.EAGER)
     linears = [m for m in model.modules() if isinstance(m, cpu_decode.FewRowLinear)]
     assert linears and all(m.packed_is_current() for m in linears)
+    assert all(m.tiled == (cpu_decode.bf16_kernel() is not None) for m in linears)
     kernel = cpu_decode.decode_attention if cpu_decode.USE_ATTENTION_KERNEL and cpu_decode.attention_kernel() else None
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     assert attentions and all(m.decode_kernel is kernel for m in attentions)
