@@ -5,15 +5,23 @@ the same GGUF file) at the same concurrency: each server started here, one at a 
 
     python scripts/benchmark_serve.py [--clients 1 4 8 16] [--requests 2] [--max_tokens 64] [--vary]
         [--llama-cpp] [--json out.json] [-- serve.py's own flags, e.g. --compile]
+    python scripts/benchmark_serve.py --random Llama-3.1-8B --tokenizer DIR --clients 1 8 32 -- --compile
+        --max_batch 32 --context 4096   # a GPU: random weights of a known shape, written to a folder first
 
 Each client streams its requests one after another (chat completions, greedy, a prompt of the set each).
 With --vary each request asks for its own number of tokens, from half --max_tokens to one and a half times
 it, so that answers end at different times and prompts join while the others run, as under a real load. A
 token's time is the arrival of the chunk holding it, and the tokens of an answer are counted by
 re-tokenizing its text with the model's tokenizer, the same way for both servers.
+
+With --random MODEL the server runs a checkpoint of random bf16 weights in that shape (scripts/shapes.py),
+written to a temporary folder first, with the tokenizer of --tokenizer (a checkpoint's folder; default the
+bundled model's) and that tokenizer's vocabulary: a model too large to have, served where it fits (a GPU).
+Its answers are random tokens, as long as --max_tokens allows (an end-of-text token ends one early, rarely).
 """
 
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -28,14 +36,49 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, installed or not
 
+import torch  # noqa: E402
+
+from fastllama.checkpoint import (CHECKPOINT_NAME, CONFIG_NAME, copy_companions, single, write_json,  # noqa: E402
+                                  write_safetensors)
 from fastllama.convert import bundled_gguf  # noqa: E402
 from fastllama.errors import UserError, run_cli  # noqa: E402
-from fastllama.generate import find_checkpoint, get_tokenizer  # noqa: E402
+from fastllama.generate import default_device, find_checkpoint, get_tokenizer  # noqa: E402
+from fastllama.model import Transformer  # noqa: E402
+from fastllama.tokenizer import load_tokenizer  # noqa: E402
+from shapes import shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me about Paris.", "Explain how a bicycle works.", "Describe the water cycle.",
            "What makes a good story?", "Explain photosynthesis to a child.", "Describe a busy market.",
            "How do airplanes fly?", "Write about the sea."]
+
+
+@torch.no_grad()
+def random_checkpoint(model: str, tokenizer: Path, folder: Path, n_layer: int | None = None) -> Path:
+    """A checkpoint in folder of random bf16 weights in model's shape (n_layer: fewer layers, for tests), with
+    the tokenizer files of the folder `tokenizer` and that tokenizer's vocabulary. Norms are ones, the rest
+    normal with a standard deviation of 0.02, made on the GPU where there is one."""
+    vocabulary = load_tokenizer(tokenizer).vocab_size
+    config = dataclasses.replace(shape(model), vocab_size=vocabulary, n_layer=n_layer or shape(model).n_layer)
+    with torch.device("meta"):
+        weights = Transformer(config).state_dict()
+    if config.tie_embeddings:
+        weights.pop("output.weight")
+    device = default_device()
+    torch.manual_seed(0)
+
+    def make(name: str, size: torch.Size) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(size, dtype=torch.bfloat16)
+        return torch.randn(size, dtype=torch.bfloat16, device=device).mul_(0.02)
+
+    groups = [single(name, torch.bfloat16, w.shape, lambda name=name, size=w.shape: make(name, size))
+              for name, w in weights.items()]
+    write_safetensors(folder / CHECKPOINT_NAME, groups, {"source": f"random weights of {model}'s shape"},
+                      desc=f"random {model}")
+    write_json(folder / CONFIG_NAME, dataclasses.asdict(config))
+    copy_companions(tokenizer / CONFIG_NAME, folder)  # the tokenizer's files (model_config.json is written)
+    return folder / CHECKPOINT_NAME
 
 
 def free_port() -> int:
@@ -124,6 +167,14 @@ def measure(name: str, base: str, model: str, args, tokenizer) -> list[dict]:
 
 
 def main(args):
+    with tempfile.TemporaryDirectory(prefix="benchmark-serve-") as folder:
+        if args.random:
+            tokenizer_dir = args.tokenizer or find_checkpoint(None).parent
+            args.checkpoint_path = random_checkpoint(args.random, tokenizer_dir, Path(folder), args.n_layer)
+        run(args)
+
+
+def run(args):
     checkpoint = find_checkpoint(args.checkpoint_path)
     tokenizer = get_tokenizer(checkpoint)
     low = (args.max_tokens + 1) // 2
@@ -167,6 +218,11 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
+    p.add_argument("--random", default=None, metavar="MODEL",
+                   help="random weights of a known shape (scripts/shapes.py) instead, written to a folder first")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="with --random: a folder with a checkpoint's tokenizer files (default: the bundled model's)")
+    p.add_argument("--n_layer", type=int, default=None, help="with --random: fewer layers than the shape has (tests)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--max_tokens", type=int, default=64)
@@ -176,4 +232,9 @@ if __name__ == "__main__":
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     p.add_argument("--json", default=None)
     p.add_argument("serve_args", nargs="*", help="after --: serve.py's flags")
-    run_cli(main, p.parse_args())
+    args = p.parse_args()
+    if args.random and args.checkpoint_path or (args.tokenizer or args.n_layer) and not args.random:
+        p.error("--random takes the place of --checkpoint_path, and --tokenizer and --n_layer go with it")
+    if args.random and args.llama_cpp:
+        p.error("--random has no GGUF file for --llama-cpp")
+    run_cli(main, args)

@@ -2,7 +2,7 @@
 # The checks for a lent GPU, each part sized for one call (at most 9 minutes, compiles included; what
 # each took when it ran is in benchmarks/RESULTS.md). Next, after the eighth GPU session: verify (its int8 and
 # int4 lines), attention (int8 levels by their bits, tiles for one-byte caches), KV=fp8 DEPTHS="0 32768" depths,
-# then peers again. The parts:
+# then peers again; then serve (issue 48, never run yet). The parts:
 #   bash scripts/gpu_check.sh peers [LIMIT]          the 8B (random weights, 128-token prompt, 256 new tokens,
 #                                                    median of 5): our bf16, int8 and int4 g32 beside gpt-fast's,
 #                                                    run from .peers/gpt-fast (a copy of ../shared/peers/gpt-fast,
@@ -38,12 +38,22 @@
 #     then a call that carries .gpu_carry/gguf.part-aa and runs `cp .gpu_carry/gguf.part-aa /tmp/` (a carried
 #     file does not outlast its call; /tmp does, while the machine stays warm), and at once one that carries
 #     the rest and runs this part.
+#   bash scripts/gpu_check.sh serve [LIMIT]          serve.py on the 8B's shape (random bf16 weights, written to /tmp
+#                                                    first, with the bundled tokenizer's vocabulary), compiled, 32
+#                                                    rows: 1, 8 and 32 clients streaming chats (scripts/benchmark_
+#                                                    serve.py --random). The image has neither FastAPI and uvicorn
+#                                                    nor the tokenizer. Here, once:
+#       mkdir -p .gpu_carry/tokenizer && cp checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/tokenizer*.json .gpu_carry/tokenizer/
+#       pip download -d .gpu_carry/serve --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: fastapi uvicorn
+#     then a call that carries .gpu_carry/tokenizer and .gpu_carry/serve. Compiling 6 row counts, a step with a
+#     chunk and two prefills may outlast one call: a second call on the still-warm machine finds inductor's
+#     code in /tmp and compiles in far less time.
 # Each part stops at its time limit (seconds: the second argument) and keeps what it printed in $OUT
 # (default: benchmarks/results/gpu-DATE/), the test names and results as they come.
 set -uo pipefail
 part=${1:-}
-[[ $part =~ ^(tests|depths|attention|weights|peers|verify|speculative)$ ]] \
-  || { echo "say which part: tests, depths, attention, weights, peers, verify or speculative"; exit 1; }
+[[ $part =~ ^(tests|depths|attention|weights|peers|verify|speculative|serve)$ ]] \
+  || { echo "say which part: tests, depths, attention, weights, peers, verify, speculative or serve"; exit 1; }
 limit=${2:-540}
 OUT=${OUT:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
 mkdir -p "$OUT"
@@ -98,5 +108,13 @@ case $part in
     timeout "$limit" python3 scripts/benchmark.py --speculative --no-verify-cost --device cuda --runs 3 --temperatures 0 \
       --draft_checkpoint_path "$checkpoint/fastllama_int4.g32.safetensors" --json "$OUT/smollm2-speculative.json" 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/smollm2-speculative.txt" ;;
+  serve)
+    site=/tmp/serve-site
+    python3 -m pip install -q --no-index --no-deps --target $site .gpu_carry/serve/*.whl || exit 1
+    export PYTHONPATH=$PWD:$site TMPDIR=${TMPDIR:-/tmp}  # the 8B's random checkpoint goes there (15 GB)
+    timeout "$limit" python3 scripts/benchmark_serve.py --random Llama-3.1-8B --tokenizer .gpu_carry/tokenizer \
+      --clients 1 8 32 --requests 2 --max_tokens 128 --json "$OUT/llama-3.1-8b-serve.json" -- --compile --max_batch 32 \
+      --context 4096 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-serve.txt"
+    pkill -f "serve.py --port" ;;  # a server the time limit left running would hold the GPU into the next call
 esac
 date -u

@@ -471,3 +471,21 @@ def test_serve_without_fastapi_or_a_bad_flag_is_one_line():
     run = subprocess.run([sys.executable, "serve.py", "--max_batch", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and "--max_batch must be at least 1" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_benchmark_serves_random_weights_of_a_known_shape(bundled_checkpoint, tmp_path):
+    """scripts/benchmark_serve.py --random (what a GPU session runs for the 8B): a checkpoint of random weights in
+    a known shape (2 of its layers here) with the tokenizer of a folder that holds no weights (as a GPU machine
+    has it), served and measured at each client count."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer / name).write_bytes((bundled_checkpoint.parent / name).read_bytes())
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark_serve.py", "--random", "SmolLM2-360M", "--n_layer", "2",
+                          "--tokenizer", str(tokenizer), "--clients", "1", "2", "--requests", "1", "--max_tokens", "6",
+                          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["clients"], row["requests"]) for row in rows] == [(1, 1), (2, 2)]
+    assert all(row["tokens"] > 0 and row["gap_p50"] > 0 for row in rows), rows
