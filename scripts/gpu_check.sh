@@ -43,6 +43,7 @@
 #                                                    rows: 1, 8 and 32 clients streaming chats (scripts/benchmark_
 #                                                    serve.py --random). The image has neither FastAPI and uvicorn
 #                                                    nor the tokenizer. Here, once:
+#       grep -qx /.gpu_carry/ .git/info/exclude || echo /.gpu_carry/ >> .git/info/exclude
 #       mkdir -p .gpu_carry/tokenizer && cp checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/tokenizer*.json .gpu_carry/tokenizer/
 #       pip download -d .gpu_carry/serve --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: fastapi uvicorn
 #     then a call that carries .gpu_carry/tokenizer and .gpu_carry/serve. Compiling 6 row counts, a step with a
