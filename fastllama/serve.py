@@ -105,8 +105,9 @@ class Request:
 
 # prompt positions a decode step carries for a prompt joining the running rows (Scheduler.decode_step):
 # more make the step slower for every running stream, fewer make a prompt wait more steps for its row, idle
-# meanwhile (benchmarks/RESULTS.md, "Prompts carried by decode steps", "Joining prompts 16 positions a step")
-JOIN_CHUNK = 16
+# meanwhile. 8: where a plain step is cheap, a step of 16 more positions costs the streams a stall of twice its
+# time (benchmarks/RESULTS.md, "Prompts carried by decode steps", "Joining prompts 8 positions a step, again")
+JOIN_CHUNK = 8
 # positions that prompts prefilled together must save, by the beginning they share, for it to go into one row
 # alone first and be copied into the others': that forward reads every weight once more, which costs what
 # about 40 positions do on 2 cores (benchmarks/RESULTS.md, "A burst's shared beginning prefilled once")
