@@ -130,9 +130,9 @@ class Engine:
         # a chunk's positions all lie in the context, and a sliding-window ring takes them in one forward
         self.join_chunk = min(join_chunk, prefill_chunk, context)
         model.setup_caches(max_batch + 1, context, prefill_chunk, kv_cache_dtype)
-        # a CPU bf16 model's steps read a copy of its weights in cpu_linear.cpp's tiles (a second copy in
-        # memory): a step of 8 rows takes 1.2x one row's so, 2.8x through the plain weights
-        # (benchmarks/RESULTS.md, "Bf16 products of our own on CPU")
+        # a CPU bf16 model's steps read a second copy of its weights, in cpu_linear.cpp's tiles where it builds:
+        # a step of 8 rows takes 1.2x one row's so, 2.8x through the plain weights (benchmarks/RESULTS.md,
+        # "Bf16 products of our own on CPU"); its prompts, of many rows, read the plain weights
         cpu_decode.pack(model)
 
     def call(self, name: str, *args):
