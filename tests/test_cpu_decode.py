@@ -123,6 +123,18 @@ def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
     torch.testing.assert_close(cpu_decode.linear_in(torch.float32, x, weight, b), expected)
 
 
+def recording_inductor():
+    """A fresh dynamo, and inductor as a torch.compile backend that keeps each graph it is given, in order."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    return graphs, inductor
+
+
 @pytest.mark.skipif(not cpu_decode.PACKABLE, reason="oneDNN has no bf16 kernels on this CPU")
 @torch.no_grad()
 def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
@@ -137,13 +149,7 @@ def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
     first = linear.packed
     cpu_decode.pack(linear, many_rows=True)
     assert linear.packed is first and not linear.tiled
-    torch._dynamo.reset()
-    graphs = []
-
-    def inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
+    graphs, inductor = recording_inductor()
     step = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=False)
     for rows in (1, 2, 3, 6):
         x = torch.randn(1, rows, 64).bfloat16()
@@ -198,13 +204,7 @@ def test_after_pack_products_of_a_few_rows_read_the_tiles():
     cpu_decode.apply(linear), cpu_decode.apply(odd)
     cpu_decode.pack(linear), cpu_decode.pack(odd)
     assert linear.tiled and linear.packed.shape == (3, 32, 32) and not odd.tiled
-    torch._dynamo.reset()
-    graphs = []
-
-    def inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
+    graphs, inductor = recording_inductor()
     step = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=False)
     for rows in (1, 2, 6, cpu_decode.TILE_ROWS, cpu_decode.TILE_ROWS + 1):
         x = torch.randn(1, rows, 64).bfloat16()
