@@ -293,8 +293,12 @@ class FewRowLinear(nn.Linear):
     every one but a compiled one of at most LOOP_ROWS rows."""
 
     packed: Tensor | None = None  # the weight again: in cpu_linear.cpp's tiles or in oneDNN's layout (pack())
-    tiled: bool = False  # which of the two
     packed_from: tuple | None = None  # the weight it was made from: (storage address, version)
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the copy is in tiles: (n / 16, k / 2, 32), where oneDNN's keeps the weight's (n, k)."""
+        return self.packed is not None and self.packed.dim() == 3
 
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
@@ -357,7 +361,7 @@ def pack(model: Transformer, many_rows: bool = False):
         if (linear.packed_from, linear.tiled) != (source, tiled) and (tiled or PACKABLE):
             weight = linear.weight.detach()
             linear.packed = tiles_layout(weight) if tiled else torch.ops.mkldnn._reorder_linear_weight(weight, FEW_ROWS)
-            linear.packed_from, linear.tiled = source, tiled
+            linear.packed_from = source
             # static in compiled code, as a parameter is: prefill compiled for any length would take its sizes
             # as symbols, and guard that one equals a prompt's length where they happen to be equal
             torch._dynamo.mark_static(linear.packed)

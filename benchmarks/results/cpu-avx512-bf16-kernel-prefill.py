@@ -13,9 +13,9 @@ chats = [tok.encode_dialog([{"role": "user", "content": p}]) for p in ["Tell me 
 linears = [m for m in model.modules() if isinstance(m, cpu_decode.FewRowLinear)]
 copies = {}
 for tiles in (False, True):
-    cpu_decode.pack(model, many_rows=not tiles); copies[tiles] = [(m.packed, m.tiled) for m in linears]
+    cpu_decode.pack(model, many_rows=not tiles); copies[tiles] = [m.packed for m in linears]
 def use(tiles):
-    for m, (p, t) in zip(linears, copies[tiles]): m.packed, m.tiled = p, t
+    for m, p in zip(linears, copies[tiles]): m.packed = p
 cases = {"1 chat": [chats[0]], "2 chats": chats}
 for tiles in (False, True):
     use(tiles)

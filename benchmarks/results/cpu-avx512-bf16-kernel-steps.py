@@ -14,9 +14,9 @@ linears = [m for m in model.modules() if isinstance(m, cpu_decode.FewRowLinear)]
 copies = {}
 for tiles in (False, True):
     cpu_decode.pack(model, many_rows=not tiles)
-    copies[tiles] = [(m.packed, m.tiled) for m in linears]
+    copies[tiles] = [m.packed for m in linears]
 def use(tiles):
-    for m, (p, t) in zip(linears, copies[tiles]): m.packed, m.tiled = p, t
+    for m, p in zip(linears, copies[tiles]): m.packed = p
 cases = {"1": ([1], None), "8": ([1] * 8, None), "8+16": ([1] * 8, serve.join_chunks(list(range(40)), 16)[1])}
 t0 = time.time()
 for tiles in (False, True):
