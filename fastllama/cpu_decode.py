@@ -35,8 +35,8 @@ cache as stored (an int8 cache's scales applied to finished dot products), skips
 and splits a head's positions between the threads, where the compiled form read the cache at about half
 the speed (benchmarks/RESULTS.md, "A decode attention kernel of our own"). Where it cannot be built, and
 for what it does not take (soft-capped scores, head_dim not a multiple of 16), the compiled form serves.
-int4 weights have a kernel of their own in cpu_linear.cpp too (int4_kernel() below), which quantize.py
-chooses at load.
+int8 and int4 weights have kernels of their own in cpu_linear.cpp too (int8_kernel() and int4_kernel() below),
+which quantize.py chooses at load.
 """
 
 import functools
@@ -142,8 +142,10 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
 # ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
-# PyTorch's kernel, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy to oneDNN's
+# PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to the compiled loop, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy
+# to oneDNN's
 USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
+USE_INT8_KERNEL = os.environ.get("FASTLLAMA_INT8_KERNEL", "1") != "0"
 USE_BF16_KERNEL = os.environ.get("FASTLLAMA_BF16_KERNEL", "1") != "0"
 
 
@@ -186,14 +188,16 @@ def decode_attention(q, k, v, k_scales, v_scales, mask, scale):
 
 @functools.cache
 def linear_kernels() -> bool:
-    """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16): torch.ops.fastllama.bf16_rows
-    and int4_rows."""
-    if not torch.cpu._is_avx512_bf16_supported() or not built("cpu_linear", "bf16 and int4 products"):
+    """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16): torch.ops.fastllama.bf16_rows,
+    int8_rows and int4_rows."""
+    if not torch.cpu._is_avx512_bf16_supported() or not built("cpu_linear", "bf16, int8 and int4 products"):
         return False
     torch.library.register_fake("fastllama::bf16_rows")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     torch.library.register_fake("fastllama::int4_rows")(
         lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
+    torch.library.register_fake("fastllama::int8_rows")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     return True
 
 
@@ -201,6 +205,11 @@ def int4_kernel():
     """torch.ops.fastllama.int4_rows, or None where it is not built (quantize.int4_kernel then chooses
     PyTorch's)."""
     return torch.ops.fastllama.int4_rows if USE_INT4_KERNEL and linear_kernels() else None
+
+
+def int8_kernel():
+    """torch.ops.fastllama.int8_rows, or None where it is not built (quantize.int8_kernel then chooses another)."""
+    return torch.ops.fastllama.int8_rows if USE_INT8_KERNEL and linear_kernels() else None
 
 
 def bf16_kernel():
@@ -333,14 +342,18 @@ def tile_rows(x: Tensor) -> bool:
     return statically_known_true(x.shape[:-1].numel() <= TILE_ROWS)
 
 
-def tiles_layout(weight: Tensor) -> Tensor:
-    """A bf16 weight (n, k) in cpu_linear.cpp's tiles, shaped (n / 16, k / 2, 32) as it checks them: outputs in
-    tiles of 16, tiles in groups of 4 (the last may have fewer), each group one stream of bytes: for each input
-    pair, for each of the group's tiles, its 16 outputs' two weights (output i's at 2i, 2i + 1)."""
+def tiles_layout(weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """A bf16 or int8 weight (n, k) in cpu_linear.cpp's tiles, shaped (n / 16, k / 2, 32) as it checks them:
+    outputs in tiles of 16, tiles in groups of 4 (the last may have fewer), each group one stream of bytes: for
+    each input pair, for each of the group's tiles, its 16 outputs' two weights (output i's at 2i, 2i + 1).
+    A group takes the bytes its 64 rows took: into `out` (the weight itself, rewritten in place), or a copy."""
     n, k = weight.shape
-    tiles = weight.view(n // 16, 16, k // 2, 2).transpose(1, 2)  # (tiles, pairs, 16, 2)
-    groups = [tiles[t: t + 4].transpose(0, 1).reshape(-1) for t in range(0, n // 16, 4)]
-    return torch.cat(groups).view(n // 16, k // 2, 32)
+    out = torch.empty_like(weight) if out is None else out
+    for r in range(0, n, 64):
+        rows = weight[r: r + 64]
+        group = rows.view(-1, 16, k // 2, 2).permute(2, 0, 1, 3)  # (pairs, tiles, 16, 2)
+        out[r: r + 64].copy_(group.reshape(rows.shape))
+    return out.view(n // 16, k // 2, 32)
 
 
 def pack(model: Transformer, many_rows: bool = False):

@@ -1,5 +1,5 @@
 // Weight-only products of our own on CPUs with AVX-512 BF16: y = x w^T for a few rows of x (bf16), with the
-// weight in bf16 or in 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds a
+// weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds a
 // pair of inputs' products for all 16: 32 products an instruction, each weight element read once for all the
 // rows of a pass. A pass serves up to MAX_ROWS rows; more rows take more passes, over a group of tiles still in
 // cache. Each row's sums are added in one order whatever the other rows, so that a row's numbers are the same
@@ -9,6 +9,11 @@
 // products of a few rows (decode and verify steps, the server's steps) read it faster than oneDNN's bf16 kernel
 // over its own packed layout (benchmarks/RESULTS.md, "Bf16 products of our own on CPU"). At many rows oneDNN's
 // blocking wins, and keeps them.
+//
+// int8 (int8_rows): quantize.Int8Linear's levels laid out in the same tiles as bf16's, in place, and converted to
+// bf16 as read; its scales applied by the caller. At one row it reads the weight 1.8x faster than the loop compiled
+// code makes, and at 512 rows it is about as fast as a bf16 matmul of the converted weight (benchmarks/RESULTS.md,
+// "Int8 products of our own on CPU"), so prefill takes it too, and the plain layout is not kept.
 //
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
@@ -41,13 +46,22 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// A bf16 weight in tiles, each group of tiles one stream: for each input pair, for each of the group's tiles,
-// 64 bytes, output i's two inputs at 4i (a vector of one pair's 16 x 2 weights, as vdpbf16ps pairs them).
-// x's rows as bf16 pairs (32 bits each), np pairs a row.
-struct Bf16Tiles {
+// A weight in tiles, each group of tiles one stream: for each input pair, for each of the group's tiles, the
+// 32 weights of its 16 outputs (output i's two at 2i, 2i + 1, as vdpbf16ps pairs them): bf16, or int8 levels
+// converted to bf16 as read, exactly (a level has 8 significant bits), the scales the caller's. x's rows as
+// bf16 pairs (32 bits each), np pairs a row.
+inline __m512bh pair_weights(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pair_weights(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <typename W>
+struct PairTiles {
   static constexpr int MAX_ROWS = 8;  // 8 rows x 4 tiles of sums: one pass serves a whole server step
   const uint32_t* x;
-  const uint8_t* w;
+  const W* w;
   int64_t np;
   float* y;
   int64_t n;  // y's row stride
@@ -57,12 +71,12 @@ struct Bf16Tiles {
     __m512 acc[NT][R];
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
-    const uint8_t* group = w + t0 * np * 64;
+    const W* group = w + t0 * np * 2 * TILE;
     for (int64_t p = 0; p < np; p++) {
       __m512i xs[R];
       for (int r = 0; r < R; r++) xs[r] = _mm512_set1_epi32(x[(r0 + r) * np + p]);
       for (int t = 0; t < NT; t++) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(group + (p * NT + t) * 64);
+        const __m512bh wv = pair_weights(group + (p * NT + t) * 2 * TILE);
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, (__m512bh)xs[r]);
       }
     }
@@ -155,18 +169,23 @@ void products(const Kind& kind, int64_t M, int64_t nt) {
 
 const uint32_t* pairs(const at::Tensor& x) { return reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()); }
 
-// x (M, K) bf16; w (N/16, K/2, 32) bf16 as cpu_decode.tiles_layout makes it. Returns y (M, N) fp32.
-at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
+// x (M, K) bf16; w (N/16, K/2, 32) bf16 or int8 as cpu_decode.tiles_layout makes it. Returns y (M, N) fp32 (for
+// int8, unscaled).
+template <typename W>
+at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 2 * TILE &&
-                  w.scalar_type() == at::kBFloat16 && x.size(1) == 2 * w.size(1),
-              "bf16_rows: x (M, K) bf16, w (N/16, K/2, 32) bf16");
+                  w.scalar_type() == dtype && x.size(1) == 2 * w.size(1),
+              what, ": x (M, K) bf16, w (N/16, K/2, 32) ", dtype);
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0) * TILE}, x.options().dtype(at::kFloat));
-  const Bf16Tiles kind{pairs(xc), reinterpret_cast<const uint8_t*>(wc.data_ptr<at::BFloat16>()), w.size(1),
-                       y.data_ptr<float>(), y.size(1)};
+  const PairTiles<W> kind{pairs(xc), reinterpret_cast<const W*>(wc.data_ptr()), w.size(1), y.data_ptr<float>(),
+                          y.size(1)};
   products(kind, x.size(0), w.size(0));
   return y;
 }
+
+at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows"); }
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<int8_t>(x, w, at::kChar, "int8_rows"); }
 
 template <typename Scale>
 void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {
@@ -203,9 +222,11 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(fastllama, m) {
   m.def("bf16_rows(Tensor x, Tensor w) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor w, Tensor sm) -> Tensor");
+  m.def("int8_rows(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastllama, CPU, m) {
   m.impl("bf16_rows", &bf16_rows);
   m.impl("int4_rows", &int4_rows);
+  m.impl("int8_rows", &int8_rows);
 }

@@ -118,7 +118,7 @@ def launch(x: Tensor, weight: Tensor, scales: Tensor, config: triton.Config | No
     return y
 
 
-@torch.library.custom_op("fastllama::int8_rows", mutates_args=())
+@torch.library.custom_op("fastllama::gpu_int8_rows", mutates_args=())
 def int8_rows(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x (m, k) times int8 weight (n, k) transposed, times scales (n,): (m, n) in x's dtype."""
     return launch(x.contiguous(), weight, scales)

@@ -115,12 +115,12 @@ def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """Per-channel int8. Its kernel is chosen for its device once, by `pack` (int8_kernel): on CPU,
-    PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum that compiled code
-    fuses (cpu_decode.py), and for many rows (prefill), where the kernel is slower, a matmul of the
-    weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in);
-    on a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized
-    matmul."""
+    """Per-channel int8. Its kernel is chosen for its device once, by `pack` (int8_kernel): on CPU with
+    AVX-512 BF16, cpu_linear.cpp's for any number of rows, over the weight laid out in its tiles
+    ("cpu-avx512"); on other CPUs PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum
+    that compiled code fuses (cpu_decode.py), and for many rows (prefill), where those are slower, a matmul of
+    the weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in); on
+    a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized matmul."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -128,17 +128,22 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cpu", "cpu-fused", "triton" or "dequantize" once packed
+        self.kernel = None  # "cpu-avx512", "cpu", "cpu-fused", "triton" or "dequantize" once packed
 
     def pack(self, kernel: str):
+        if kernel == "cpu-avx512":
+            self.weight = cpu_decode.tiles_layout(self.weight, out=self.weight)  # in place: no memory to speak of
         self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         rows = x.shape[:-1].numel()
-        if self.kernel == "cpu-fused" and compiling_few_rows(x):
+        if self.kernel == "cpu-avx512":
+            y = torch.ops.fastllama.int8_rows(x.reshape(-1, self.in_features), self.weight)
+            y = y.view(*x.shape[:-1], self.out_features) * self.scales
+        elif self.kernel == "cpu-fused" and compiling_few_rows(x):
             y = few_rows_product(x, self.weight) * self.scales  # int8 converted in registers
-        elif self.kernel.startswith("cpu") and rows <= CPU_INT8_KERNEL_ROWS:
+        elif self.kernel in ("cpu", "cpu-fused") and rows <= CPU_INT8_KERNEL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif self.kernel == "triton" and rows <= kernels.ROWS:
@@ -312,15 +317,19 @@ class Int4ExpertLinears(ExpertLinears):
         return int4_matmul(self.kernel, x, weight, self.groupsize, scales_and_zeros).to(x.dtype)
 
 
-def int8_kernel(device: torch.device) -> str:
-    """How int8 runs here. On CPU, compiled code's fused multiply-and-sum pays only with AVX-512, whose
-    masked loads take the int8 weight a part-vector at a time; with AVX2 inductor copies each 8 bytes
-    through memory first, and PyTorch's int8 kernel is faster (benchmarks/RESULTS.md, "CPUs without
-    AVX-512"). On a GPU, kernels.py's, where Triton is."""
+def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> str:
+    """How int8 runs here. On CPUs with AVX-512 BF16, cpu_linear.cpp's kernel for a bf16 model's shapes it
+    takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU"). Otherwise on CPU, compiled code's fused
+    multiply-and-sum pays only with AVX-512, whose masked loads take the int8 weight a part-vector at a time;
+    with AVX2 inductor copies each 8 bytes through memory first, and PyTorch's int8 kernel is faster
+    (benchmarks/RESULTS.md, "CPUs without AVX-512"). On a GPU, kernels.py's, where Triton is."""
     if device.type == "cuda" and kernels:
         return "triton"
     if device.type != "cpu":
         return "dequantize"
+    tiles = out_features % 16 == 0 and in_features % 2 == 0 and dtype == torch.bfloat16
+    if tiles and cpu_decode.int8_kernel() is not None:
+        return "cpu-avx512"
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
 
 
@@ -399,7 +408,7 @@ class Int8(Scheme):
         return Int8Linear(old.in_features, old.out_features, old.bias is not None, device=device)
 
     def kernel(self, module: Int8Linear) -> str:
-        return int8_kernel(module.weight.device)
+        return int8_kernel(module.weight.device, module.out_features, module.in_features, module.scales.dtype)
 
 
 class Int4(Scheme):

@@ -175,21 +175,25 @@ needs_bf16_kernel = pytest.mark.skipif(cpu_decode.bf16_kernel() is None,
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 2)])  # groups of 3 tiles; 4 and 3; one tile
 @torch.no_grad()
-def test_the_bf16_kernel_computes_the_product_and_a_row_alone_as_in_a_batch(n, k):
-    """cpu_linear.cpp's bf16_rows over the tiles pack() makes: x w^T to fp32's rounding of the same bf16
-    numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles), and each row's numbers the same
-    bits alone as in a batch (a request's tokens in the server do not depend on who shares its steps)."""
-    weight = torch.randn(n, k).bfloat16()
+def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, k, dtype):
+    """cpu_linear.cpp's bf16_rows and int8_rows over a weight in tiles (tiles_layout's): x w^T to fp32's rounding
+    of the same numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles), and each row's
+    numbers the same bits alone as in a batch (a request's tokens in the server do not depend on who shares its
+    steps)."""
+    weight = torch.randn(n, k).bfloat16() if dtype == torch.bfloat16 else torch.randint(-128, 128, (n, k), dtype=dtype)
     tiles = cpu_decode.tiles_layout(weight)
+    kernel = torch.ops.fastllama.bf16_rows if dtype == torch.bfloat16 else torch.ops.fastllama.int8_rows
     x = torch.randn(20, k).bfloat16()
-    y = torch.ops.fastllama.bf16_rows(x, tiles)
+    y = kernel(x, tiles)
     assert y.dtype == torch.float32 and y.shape == (20, n)
-    torch.testing.assert_close(y, x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5, check_dtype=False)
+    largest = weight.abs().max().item()
+    torch.testing.assert_close(y, x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5 * largest, check_dtype=False)
     for rows in (1, 3, 8, 9, 17):
-        assert torch.equal(torch.ops.fastllama.bf16_rows(x[:rows], tiles), y[:rows])
-    assert torch.equal(torch.ops.fastllama.bf16_rows(x[5:6], tiles), y[5:6])
+        assert torch.equal(kernel(x[:rows], tiles), y[:rows])
+    assert torch.equal(kernel(x[5:6], tiles), y[5:6])
 
 
 @needs_bf16_kernel

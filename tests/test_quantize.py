@@ -55,8 +55,9 @@ def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
     q, scales = quantize_int8(random_weight(n, k))
     m = Int8Linear(k, n)
     m.weight, m.scales = q, scales  # what load_state_dict(assign=True) does
+    w_ref = q.float() * scales.float()[:, None]  # before packing, which may lay q out anew in place
     quantize.pack_for_device(m, quantize.Int8())
-    return m, q.float() * scales.float()[:, None]
+    return m, w_ref
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (200, 128)])
@@ -70,14 +71,21 @@ def test_int8_linear_matches_dequantized_matmul(n, k, M):
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
 
 
-@pytest.mark.parametrize("kernel", ["cpu-fused", "cpu"])
-@pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (200, 128, (1,))])
+INT8_CPU_KERNELS = ["cpu-fused", "cpu"] + (["cpu-avx512"] if cpu_decode.int8_kernel() else [])
+
+
+@pytest.mark.parametrize("kernel", INT8_CPU_KERNELS)
+@pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (208, 128, (1,))])
 def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     """Compiled at one row for CPU decoding, Int8Linear packed "cpu-fused" is a multiply-and-sum that
-    inductor fuses, not the aten kernel; packed "cpu", the aten kernel."""
+    inductor fuses, not the aten kernel; packed "cpu", the aten kernel; packed "cpu-avx512", cpu_linear.cpp's."""
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
-    m, w_ref = int8_module(n, k)
+    torch._dynamo.reset()  # each case compiles Int8Linear.forward anew: past the recompile limit otherwise
+    q, scales = quantize_int8(random_weight(n, k))
+    m = Int8Linear(k, n)
+    m.weight, m.scales = q, scales
+    w_ref = q.float() * scales.float()[:, None]
     m.pack(kernel)
     graphs = []
 
@@ -92,13 +100,26 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     assert y.dtype == torch.bfloat16 and y.shape == (*shape, n)
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
     assert len(graphs) == 1 and ("_weight_int8pack_mm" in graphs[0].code) == (kernel == "cpu")
+    assert ("int8_rows" in graphs[0].code) == (kernel == "cpu-avx512")
+    if kernel == "cpu-avx512":  # prefill, compiled for any length, takes it too
+        prefill = torch.compile(m, backend=inductor, fullgraph=True, dynamic=True)
+        for rows in (5, 40):
+            x = torch.randn(1, rows, k).bfloat16()
+            with torch.no_grad():
+                assert rel_err(prefill(x), F.linear(x.float(), w_ref)) <= BF16_RTOL
+        assert "int8_rows" in graphs[-1].code
 
 
 @pytest.mark.parametrize("capability,kernel", [("AVX512", "cpu-fused"), ("AVX2", "cpu"), ("DEFAULT", "cpu")])
 def test_int8_kernel_follows_the_cpu(monkeypatch, capability, kernel):
-    """The fused int8 product only where it was measured to beat the kernel: AVX-512."""
+    """cpu_linear.cpp's int8 kernel where it is built, for a bf16 model's whole tiles; otherwise the fused int8
+    product only where it was measured to beat PyTorch's kernel: AVX-512."""
+    own = cpu_decode.int8_kernel() is not None
+    cpu = torch.device("cpu")
+    assert quantize.int8_kernel(cpu, 64, 32, torch.bfloat16) == ("cpu-avx512" if own else quantize.int8_kernel(cpu, 8, 32, torch.bfloat16))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    assert quantize.int8_kernel(torch.device("cpu")) == kernel
+    for n, k, dtype in ((8, 32, torch.bfloat16), (64, 33, torch.bfloat16), (64, 32, torch.float32)):  # not tiles
+        assert quantize.int8_kernel(cpu, n, k, dtype) == kernel
 
 
 def test_quantize_int8_error_and_range():
