@@ -19,7 +19,7 @@ and round their output back to bf16 (matmul_dtype); fewer rows keep bf16, which 
 
 `pack(model)` gives each bf16 linear a second copy of its weight in a kernel's layout, for the callers
 whose products have several rows: speculative_generate for its target's verify steps, serve.py for its
-batched steps. Where the CPU has AVX-512 BF16 the copy is in tiles for a kernel of our own,
+batched steps and its prompts. Where the CPU has AVX-512 BF16 the copy is in tiles for a kernel of our own,
 cpu_linear.cpp, whose products of up to TILE_ROWS rows read it faster than oneDNN's kernel reads its own
 layout, and than the loop above at one row (benchmarks/RESULTS.md, "Bf16 products of our own on CPU").
 Where that kernel is not built (no compiler, FASTLLAMA_BF16_KERNEL=0) but oneDNN has bf16 kernels, the
@@ -65,9 +65,9 @@ FEW_ROWS = 9
 # (benchmarks/RESULTS.md, "Packed weights for verify steps", "The draft head on the target's own chats").
 LOOP_ROWS = 2
 # A bf16 product of at most this many rows reads a copy of the weight in cpu_linear.cpp's tiles, where pack()
-# made one: faster than oneDNN's product there, and slower at many rows (benchmarks/RESULTS.md, "Bf16 products of
-# our own on CPU")
-TILE_ROWS = 32
+# made one: faster than oneDNN's product there, and slower at more rows, which read the plain weight
+# (benchmarks/RESULTS.md, "Bf16 products of our own on CPU", "The server's prompts through the tiles")
+TILE_ROWS = 128
 # From this many rows a bf16 product runs in fp32 on a CPU without native bf16 matmuls (matmul_dtype):
 # where fp32 overtakes bf16 (benchmarks/RESULTS.md, "CPUs without AVX-512").
 MANY_ROWS = 16
@@ -194,6 +194,8 @@ def linear_kernels() -> bool:
         return False
     torch.library.register_fake("fastllama::bf16_rows")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
+    torch.library.register_fake("fastllama::bf16_linear")(
+        lambda x, w, tiles, bias, max_rows: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("fastllama::int4_rows")(
         lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     torch.library.register_fake("fastllama::int8_rows")(
@@ -312,13 +314,16 @@ class FewRowLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         few = compiling_few_rows(x)
         if self.packed_is_current() and x.dtype == torch.bfloat16:
-            if self.tiled and tile_rows(x):
-                y = torch.ops.fastllama.bf16_rows(x.reshape(-1, x.shape[-1]), self.packed)
-                y = y.view(*x.shape[:-1], -1)
+            # a symbolic row count (prefill's, or a batch of prompts' last positions, compiled for any count) is
+            # not asked: a guard on it would give each count a graph of its own. bf16_linear asks when it runs.
+            rows, flat = x.shape[:-1].numel(), x.reshape(-1, x.shape[-1])
+            if self.tiled and statically_known_true(rows <= TILE_ROWS):
+                y = torch.ops.fastllama.bf16_rows(flat, self.packed).view(*x.shape[:-1], -1)
                 return (y if self.bias is None else y + self.bias).to(x.dtype)
-            # a symbolic row count (a batch of prompts' last positions, compiled for any batch) is not asked:
-            # a guard on it would give a batch of each size a graph of its own
-            loop = few and statically_known_true(x.shape[:-1].numel() <= LOOP_ROWS)
+            if self.tiled and not statically_known_true(rows > TILE_ROWS):
+                y = torch.ops.fastllama.bf16_linear(flat, self.weight, self.packed, self.bias, TILE_ROWS)
+                return y.view(*x.shape[:-1], -1)
+            loop = few and statically_known_true(rows <= LOOP_ROWS)
             if not self.tiled and not loop:
                 return torch.ops.fastllama.packed_linear(x, self.packed, self.bias)
         if few:
@@ -334,12 +339,6 @@ class FewRowLinear(nn.Linear):
         if self.packed is None or torch.compiler.is_compiling():
             return self.packed is not None
         return self.packed_from == (self.weight.data_ptr(), self.weight._version)
-
-
-def tile_rows(x: Tensor) -> bool:
-    """Whether x (..., k) is at most TILE_ROWS rows, known as a number (compiled prefill's symbolic count,
-    not asked, is many)."""
-    return statically_known_true(x.shape[:-1].numel() <= TILE_ROWS)
 
 
 def tiles_layout(weight: Tensor, out: Tensor | None = None) -> Tensor:
@@ -359,9 +358,9 @@ def tiles_layout(weight: Tensor, out: Tensor | None = None) -> Tensor:
 def pack(model: Transformer, many_rows: bool = False):
     """Give each bf16 linear of a CPU model (after apply()) a copy of its weight that a kernel reads faster
     than the plain one: a second copy of the weights in memory. For products of a few rows (a speculative
-    verify step's, the server's steps), cpu_linear.cpp's tiles where it is built; for products of many rows
-    (`many_rows`: eval.py's scoring forwards), and where the tiles kernel is not built, oneDNN's layout, where
-    oneDNN has bf16 kernels. A copy made from a weight that has changed since (replaced or written in place)
+    verify step's, the server's steps and short prompts), cpu_linear.cpp's tiles where it is built; for products
+    of many rows (`many_rows`: eval.py's scoring forwards), and where the tiles kernel is not built, oneDNN's
+    layout, where oneDNN has bf16 kernels. A copy made from a weight that has changed since (replaced or written in place)
     is made anew: speculative_generate calls it before its first round."""
     tiles = not many_rows and bf16_kernel() is not None
     if not tiles and not PACKABLE:

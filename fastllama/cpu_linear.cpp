@@ -6,9 +6,10 @@
 // alone and in a batch (generate.py's promise in fp32).
 //
 // bf16 (bf16_rows): cpu_decode.pack gives a bf16 linear a copy of its weight in tiles (tiles_layout), whose
-// products of a few rows (decode and verify steps, the server's steps) read it faster than oneDNN's bf16 kernel
-// over its own packed layout (benchmarks/RESULTS.md, "Bf16 products of our own on CPU"). At many rows oneDNN's
-// blocking wins, and keeps them.
+// products of a few rows (decode and verify steps, the server's steps, short prompts) read it faster than
+// oneDNN's bf16 kernel over its own packed layout (benchmarks/RESULTS.md, "Bf16 products of our own on CPU",
+// "The server's prompts through the tiles"). At many rows oneDNN's blocking wins, over the plain weight
+// (bf16_linear chooses, for a count of rows known only when it runs).
 //
 // int8 (int8_rows): quantize.Int8Linear's levels laid out in the same tiles as bf16's, in place, and converted to
 // bf16 as read; its scales applied by the caller. At one row it reads the weight 1.8x faster than the loop compiled
@@ -185,6 +186,16 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dt
 }
 
 at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows"); }
+
+// F.linear(x, w, bias) in bf16 through the tiles for at most max_rows rows, and through the plain weight w for more,
+// where oneDNN's blocking wins: for a count of rows known only when it runs (compiled prefill's)
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& tiles,
+                       const std::optional<at::Tensor>& bias, int64_t max_rows) {
+  if (x.size(0) > max_rows) return at::linear(x, w, bias);
+  at::Tensor y = bf16_rows(x, tiles);
+  if (bias) y.add_(*bias);
+  return y.to(at::kBFloat16);
+}
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<int8_t>(x, w, at::kChar, "int8_rows"); }
 
 template <typename Scale>
@@ -221,12 +232,14 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(fastllama, m) {
   m.def("bf16_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor tiles, Tensor? bias, int max_rows) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor w, Tensor sm) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastllama, CPU, m) {
   m.impl("bf16_rows", &bf16_rows);
+  m.impl("bf16_linear", &bf16_linear);
   m.impl("int4_rows", &int4_rows);
   m.impl("int8_rows", &int8_rows);
 }

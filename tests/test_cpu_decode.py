@@ -200,8 +200,9 @@ def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, 
 @torch.no_grad()
 def test_after_pack_products_of_a_few_rows_read_the_tiles():
     """pack() gives a bf16 linear a copy in cpu_linear.cpp's tiles: compiled and eager products of at most
-    TILE_ROWS rows read it (F.linear's result, bias included), one row too; more rows, and compiled prefill's
-    symbolic count, take the plain weight. A linear whose outputs are not whole tiles keeps oneDNN's copy."""
+    TILE_ROWS rows read it (F.linear's result, bias included), one row too, and more rows take the plain weight;
+    compiled prefill's symbolic count chooses when it runs. A linear whose outputs are not whole tiles keeps
+    oneDNN's copy."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
     odd = torch.nn.Linear(64, 40).bfloat16()
@@ -215,10 +216,13 @@ def test_after_pack_products_of_a_few_rows_read_the_tiles():
         torch.testing.assert_close(step(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     assert ["bf16_rows" in graph.code for graph in graphs] == [True, True, True, True, False]
     prefill = torch.compile(lambda x: linear(x), backend=inductor, fullgraph=True, dynamic=True)
-    for rows in (5, 7):
+    for rows, read in ((5, True), (7, True), (cpu_decode.TILE_ROWS + 3, False)):
         x = torch.randn(1, rows, 64).bfloat16()
-        torch.testing.assert_close(prefill(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    assert "bf16_rows" not in graphs[-1].code
+        with torch.profiler.profile() as profile:
+            y = prefill(x)
+        assert ("aten::linear" in [event.key for event in profile.key_averages()]) != read  # the plain weight's
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert "bf16_linear" in graphs[-1].code and len(graphs) == 6  # one graph for every prefill
     for rows, read in ((3, True), (cpu_decode.TILE_ROWS + 1, False)):
         x = torch.randn(1, rows, 64).bfloat16()
         with torch.profiler.profile() as profile:
