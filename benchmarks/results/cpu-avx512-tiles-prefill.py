@@ -1,8 +1,9 @@
 """The server's prompt prefill (Engine.prefill, compiled for any length) with each bf16 linear's copy in oneDNN's layout, in
 cpu_linear.cpp's tiles (read by chunks of at most cpu_decode.TILE_ROWS positions, the plain weight by longer ones), and with
 no copy (the plain weights), in turn in one process, median of 9: one chat, two chats, and a random prompt of 500 positions
-(chunks of 256 and 244). Run as python cpu-avx512-tiles-prefill.py; the output: cpu-avx512-tiles-prefill.txt."""
-import time, statistics, torch
+(chunks of 256 and 244); or, given lengths, a random prompt of each. Run as python cpu-avx512-tiles-prefill.py; the output:
+cpu-avx512-tiles-prefill.txt (and -2.txt, a second run); python cpu-avx512-tiles-prefill.py 64 96 128: ...-lengths.txt."""
+import sys, time, statistics, torch
 from fastllama import serve, cpu_decode
 from fastllama.generate import compiled_steps, find_checkpoint, load_model, get_tokenizer
 torch.set_grad_enabled(False)
@@ -21,6 +22,8 @@ copies["plain weights"] = [None] * len(linears)
 def use(name):
     for m, p in zip(linears, copies[name]): m.packed = p
 cases = {"1 chat": [chats[0]], "2 chats": chats, "500 positions": [torch.randint(0, 40000, (500,)).tolist()]}
+if sys.argv[1:]:
+    cases = {f"{n} positions": [torch.randint(0, 40000, (n,)).tolist()] for n in map(int, sys.argv[1:])}
 for name in copies:
     use(name)
     for c in cases.values():
