@@ -360,8 +360,8 @@ def pack(model: Transformer, many_rows: bool = False):
     than the plain one: a second copy of the weights in memory. For products of a few rows (a speculative
     verify step's, the server's steps and short prompts), cpu_linear.cpp's tiles where it is built; for products
     of many rows (`many_rows`: eval.py's scoring forwards), and where the tiles kernel is not built, oneDNN's
-    layout, where oneDNN has bf16 kernels. A copy made from a weight that has changed since (replaced or written in place)
-    is made anew: speculative_generate calls it before its first round."""
+    layout, where oneDNN has bf16 kernels. A copy made from a weight that has changed since (replaced or written
+    in place) is made anew: speculative_generate calls it before its first round."""
     tiles = not many_rows and bf16_kernel() is not None
     if not tiles and not PACKABLE:
         return

@@ -185,7 +185,11 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dt
   return y;
 }
 
-at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows"); }
+at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
+  return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows");
+}
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<int8_t>(x, w, at::kChar, "int8_rows"); }
 
 // F.linear(x, w, bias) in bf16 through the tiles for at most max_rows rows, and through the plain weight w for more,
 // where oneDNN's blocking wins: for a count of rows known only when it runs (compiled prefill's)
@@ -196,7 +200,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (bias) y.add_(*bias);
   return y.to(at::kBFloat16);
 }
-at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<int8_t>(x, w, at::kChar, "int8_rows"); }
 
 template <typename Scale>
 void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {

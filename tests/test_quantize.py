@@ -114,9 +114,9 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
 def test_int8_kernel_follows_the_cpu(monkeypatch, capability, kernel):
     """cpu_linear.cpp's int8 kernel where it is built, for a bf16 model's whole tiles; otherwise the fused int8
     product only where it was measured to beat PyTorch's kernel: AVX-512."""
-    own = cpu_decode.int8_kernel() is not None
     cpu = torch.device("cpu")
-    assert quantize.int8_kernel(cpu, 64, 32, torch.bfloat16) == ("cpu-avx512" if own else quantize.int8_kernel(cpu, 8, 32, torch.bfloat16))
+    whole_tiles = quantize.int8_kernel(cpu, 64, 32, torch.bfloat16)
+    assert whole_tiles == ("cpu-avx512" if cpu_decode.int8_kernel() else quantize.int8_kernel(cpu, 8, 32, torch.bfloat16))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     for n, k, dtype in ((8, 32, torch.bfloat16), (64, 33, torch.bfloat16), (64, 32, torch.float32)):  # not tiles
         assert quantize.int8_kernel(cpu, n, k, dtype) == kernel
