@@ -132,7 +132,8 @@ class Engine:
         model.setup_caches(max_batch + 1, context, prefill_chunk, kv_cache_dtype)
         # a CPU bf16 model's steps read a second copy of its weights, in cpu_linear.cpp's tiles where it builds:
         # a step of 8 rows takes 1.2x one row's so, 2.8x through the plain weights (benchmarks/RESULTS.md,
-        # "Bf16 products of our own on CPU"); its prompts, of many rows, read the plain weights
+        # "Bf16 products of our own on CPU"); so do its prompts of up to cpu_decode.TILE_ROWS positions, longer
+        # ones read the plain weights ("The server's prompts through the tiles")
         cpu_decode.pack(model)
 
     def call(self, name: str, *args):

@@ -50,13 +50,17 @@ def random_weight(n: int, k: int) -> torch.Tensor:
 # int8
 
 
-def int8_module(n: int, k: int) -> tuple[Int8Linear, torch.Tensor]:
-    """An Int8Linear filled the way loading fills it, and its dequantized fp32 weight."""
+def int8_module(n: int, k: int, kernel: str | None = None) -> tuple[Int8Linear, torch.Tensor]:
+    """An Int8Linear filled the way loading fills it and packed for `kernel` (by default, the device's), and
+    its dequantized fp32 weight."""
     q, scales = quantize_int8(random_weight(n, k))
     m = Int8Linear(k, n)
     m.weight, m.scales = q, scales  # what load_state_dict(assign=True) does
     w_ref = q.float() * scales.float()[:, None]  # before packing, which may lay q out anew in place
-    quantize.pack_for_device(m, quantize.Int8())
+    if kernel is None:
+        quantize.pack_for_device(m, quantize.Int8())
+    else:
+        m.pack(kernel)
     return m, w_ref
 
 
@@ -82,11 +86,7 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
     torch._dynamo.reset()  # each case compiles Int8Linear.forward anew: past the recompile limit otherwise
-    q, scales = quantize_int8(random_weight(n, k))
-    m = Int8Linear(k, n)
-    m.weight, m.scales = q, scales
-    w_ref = q.float() * scales.float()[:, None]
-    m.pack(kernel)
+    m, w_ref = int8_module(n, k, kernel)
     graphs = []
 
     def inductor(gm, example_inputs):
