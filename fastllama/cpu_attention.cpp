@@ -340,14 +340,21 @@ inline Scales scales_of(const c10::optional<at::Tensor>& scales, int64_t b, int6
   return out;
 }
 
-// Positions a task reads, for `heads` key/value heads (of all rows) of S positions each: as many as leave at least
-// three tasks a thread, from 256 to CHUNK. The longer a run of keys or values read without a break, the faster
-// the cache is read (benchmarks/RESULTS.md, "Longer chunks, and short reads in one thread"); too few tasks leave a
-// thread idle while another finishes.
+// Positions a task reads, for `heads` key/value heads (of all rows) of S positions each: each head's cut into
+// equal chunks of at most CHUNK, and as many chunks in all as a multiple of the threads where chunks of at least
+// 256 allow it, so that each thread's run of tasks (parallel_for's share) is as long as the others'. The longer
+// a run of keys or values read without a break, the faster the cache is read (benchmarks/RESULTS.md, "Longer
+// chunks, and short reads in one thread"); unequal shares leave a thread idle while another finishes
+// ("Equal shares of the cache for the threads").
 inline int64_t chunk_for(int64_t heads, int64_t S) {
-  int64_t chunk = CHUNK;
-  while (chunk > 256 && heads * ((S + chunk - 1) / chunk) < 3 * at::get_num_threads()) chunk /= 2;
-  return chunk;
+  const int64_t threads = at::get_num_threads(), fewest = (S + CHUNK - 1) / CHUNK;
+  int64_t chunks = fewest;
+  for (int64_t c = fewest; c < fewest + threads; c++)
+    if ((heads * c) % threads == 0 && S / c >= 256) {
+      chunks = c;
+      break;
+    }
+  return ((S + chunks - 1) / chunks + 15) / 16 * 16;
 }
 
 template <typename Element>
