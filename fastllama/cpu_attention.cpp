@@ -84,11 +84,11 @@ inline __m512 exp16(__m512 x) {
 }
 
 // the cache lines of the row `ahead` positions on, fetched while this one is worked on: the hardware's own
-// prefetching falls behind a loop that computes this much a row
-template <typename Element>
+// prefetching falls behind a loop that computes this much a row. Into L1, or (T1) into L2 for a later pass.
+template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T0, typename Element>
 inline void prefetch_row(const Element* row, int64_t hd) {
   for (int64_t byte = 0; byte < hd * int64_t(sizeof(Element)); byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, Hint);
 }
 
 // An int8 or fp8 cache's scales for one row and head, read where they lie (the model's dtype, a stride a
@@ -175,9 +175,12 @@ inline void dots(const Chunk& c, int64_t r0, const int8_t* const* key, __m128* d
 #endif
 
 // Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (times c.key_factor), and their largest. Row r is
-// query head r / T of the group at the step's position r % T.
+// query head r / T of the group at the step's position r % T. The first rows' pass also fetches the same
+// positions' values into L2, for the values' pass: the scores' arithmetic leaves memory idle, which that pass
+// waited on (benchmarks/RESULTS.md, "Equal shares of the cache for the threads").
 template <int Rows, typename Element>
-void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride) {
+void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const Element* values,
+                int64_t value_stride) {
   __m128 best[Rows];
   int64_t t[Rows];  // row r's step position
   for (int r = 0; r < Rows; r++) best[r] = _mm_set1_ps(-INF), t[r] = (r0 + r) % c.T;
@@ -189,7 +192,10 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
     const Element* key[KEYS];
     for (int j = 0; j < KEYS; j++) {
       key[j] = keys + (c.s0 + std::min(i0 + j, c.n - 1)) * key_stride;  // past the chunk: its last key again, masked below
-      if (i0 + j + AHEAD < c.n) prefetch_row(key[j] + AHEAD * key_stride, c.hd);
+      if (i0 + j + AHEAD < c.n) {
+        prefetch_row(key[j] + AHEAD * key_stride, c.hd);
+        if (r0 == 0) prefetch_row<_MM_HINT_T1>(values + (c.s0 + i0 + j + AHEAD) * value_stride, c.hd);
+      }
     }
     __m128 dot[Rows];
     dots<Rows>(c, r0, key, dot);
@@ -412,7 +418,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
       for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
-#define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2))
+#define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), values, v.stride(2))
         FOR_ROWS(R - r0, SCORE)
 #undef SCORE
       }
