@@ -175,9 +175,10 @@ inline void dots(const Chunk& c, int64_t r0, const int8_t* const* key, __m128* d
 #endif
 
 // Rows r0 .. r0 + Rows - 1's scores over the chunk's keys (times c.key_factor), and their largest. Row r is
-// query head r / T of the group at the step's position r % T. The first rows' pass also fetches the same
-// positions' values into L2, for the values' pass: the scores' arithmetic leaves memory idle, which that pass
-// waited on (benchmarks/RESULTS.md, "Equal shares of the cache for the threads").
+// query head r / T of the group at the step's position r % T. The first pass, of more than one row, also fetches
+// the same positions' values into L2 for the values' pass, which waited on memory that the scores' arithmetic
+// left idle; one row's scores take too little arithmetic for that (benchmarks/RESULTS.md, "Values fetched while
+// the keys are scored").
 template <int Rows, typename Element>
 void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_stride, const Element* values,
                 int64_t value_stride) {
@@ -194,7 +195,7 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
       key[j] = keys + (c.s0 + std::min(i0 + j, c.n - 1)) * key_stride;  // past the chunk: its last key again, masked below
       if (i0 + j + AHEAD < c.n) {
         prefetch_row(key[j] + AHEAD * key_stride, c.hd);
-        if (r0 == 0) prefetch_row<_MM_HINT_T1>(values + (c.s0 + i0 + j + AHEAD) * value_stride, c.hd);
+        if (Rows > 1 && r0 == 0) prefetch_row<_MM_HINT_T1>(values + (c.s0 + i0 + j + AHEAD) * value_stride, c.hd);
       }
     }
     __m128 dot[Rows];
