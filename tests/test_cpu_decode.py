@@ -1,6 +1,9 @@
 """Compiled CPU decoding computes what eager decoding computes, for every attention variant the model
 has: cpu_decode.py changes the products only, never the attention math around them."""
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -45,6 +48,18 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 needs_kernel = pytest.mark.skipif(cpu_decode.attention_kernel() is None,
                                   reason="decode attention's kernel needs AVX-512 and a C++ compiler")
+
+
+def test_the_kernels_build_where_the_cpu_and_a_compiler_allow():
+    """A kernel that cannot be built leaves PyTorch's own form (one line says so), and its tests skip: where the CPU
+    has AVX-512 and a C++ compiler and ninja are here, a failed build is a bug that those skips would hide."""
+    from torch.utils import cpp_extension
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        pytest.skip("the kernels are for CPUs with AVX-512")
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja to build them")
+    assert cpu_decode.attention_kernel() is not None
+    assert cpu_decode.linear_kernels() == torch.cpu._is_avx512_bf16_supported()
 
 
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
