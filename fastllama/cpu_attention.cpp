@@ -348,16 +348,16 @@ inline Scales scales_of(const c10::optional<at::Tensor>& scales, int64_t b, int6
 }
 
 // Positions a task reads, for `heads` key/value heads (of all rows) of S positions each: each head's cut into
-// equal chunks of at most CHUNK, and as many chunks in all as a multiple of the threads where chunks of at least
-// 256 allow it, so that each thread's run of tasks (parallel_for's share) is as long as the others'. The longer
-// a run of keys or values read without a break, the faster the cache is read (benchmarks/RESULTS.md, "Longer
-// chunks, and short reads in one thread"); unequal shares leave a thread idle while another finishes
-// ("Equal shares of the cache for the threads").
+// equal chunks of at most CHUNK and at least 256 positions, the fewest that make the tasks a multiple of the
+// threads, so that each thread's run of tasks (parallel_for's share) is as long as the others' ("Equal shares of
+// the cache for the threads" in benchmarks/RESULTS.md), or where none do, a task for each thread. The longer a
+// run of keys or values read without a break, the faster the cache is read ("Longer chunks, and short reads in
+// one thread").
 inline int64_t chunk_for(int64_t heads, int64_t S) {
-  const int64_t threads = at::get_num_threads(), fewest = (S + CHUNK - 1) / CHUNK;
-  int64_t chunks = fewest;
-  for (int64_t c = fewest; c < fewest + threads; c++)
-    if ((heads * c) % threads == 0 && S / c >= 256) {
+  const int64_t threads = at::get_num_threads(), fewest = (S + CHUNK - 1) / CHUNK, most = std::max(fewest, S / 256);
+  int64_t chunks = std::clamp((threads + heads - 1) / heads, fewest, most);
+  for (int64_t c = fewest; c <= most; c++)
+    if ((heads * c) % threads == 0) {
       chunks = c;
       break;
     }

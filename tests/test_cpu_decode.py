@@ -315,7 +315,7 @@ def test_the_attention_kernels_compute_the_written_out_form(kernel, store, B, n_
             assert torch.equal(attention.attend_cache(q, other), ours)
         threads = torch.get_num_threads()
         try:  # the kernel cuts a head's positions into as many chunks as make its tasks a multiple of the threads
-            for n in (1, 2, 4, 8):  # (chunk_for): one at 1 thread; two, merged, at one of 2, 4 and 8 for each shape
+            for n in (1, 2, 4, 8):  # (chunk_for): one at 1 thread; more, merged, at some of 2, 4 and 8 for each shape
                 torch.set_num_threads(n)
                 assert relative_error(attention.attend_cache(q, mask), expected) <= bound
         finally:
