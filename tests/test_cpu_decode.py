@@ -291,7 +291,7 @@ def test_the_attention_kernels_compute_the_written_out_form(kernel, store, B, n_
     heads a key/value head; and slots that no row sees are never read into the result (stale or NaN)."""
     torch.manual_seed(0)
     device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
-    length, S = 900, 800  # S slots read; where the kernel cuts them in two (chunk_for), the first row sees both
+    length, S = 900, 800  # S slots read; where the kernel cuts them (chunk_for), the first row sees across a cut
     attention = Attention(ModelArgs(n_head=n_kv * group, n_local_heads=n_kv, head_dim=hd, dim=64))
     attention.kv_cache = KVCache(B + 1, length, n_kv, hd, torch.float32, device, store_dtype=store)
     positions = torch.arange(length, device=device).expand(B, -1)
