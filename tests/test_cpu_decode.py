@@ -53,7 +53,6 @@ needs_kernel = pytest.mark.skipif(cpu_decode.attention_kernel() is None,
 def test_the_kernels_build_where_the_cpu_and_a_compiler_allow():
     """A kernel that cannot be built leaves PyTorch's own form (one line says so), and its tests skip: where the CPU
     has AVX-512 and a C++ compiler and ninja are here, a failed build is a bug that those skips would hide."""
-    from torch.utils import cpp_extension
     if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         pytest.skip("the kernels are for CPUs with AVX-512")
     if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
