@@ -493,7 +493,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: caches of one dtype, each row contiguous, hd a multiple of 16");
   TORCH_CHECK(q.size(2) % mask.size(2) == 0 && mask.size(2) <= 16 && k.size(2) >= mask.size(3) && k_scales.has_value() == v_scales.has_value(),
               "decode_attention: shapes disagree");
-  at::Tensor qf = q.to(at::kFloat).contiguous();
+  // q in fp32, a bf16 q converted here rather than by an ATen op, whose dispatch costs more than the few hundred
+  // numbers of a decode step's q take to convert (30 calls a step)
+  at::Tensor qf;
+  if (q.scalar_type() == at::kBFloat16 && q.is_contiguous()) {
+    qf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    const at::BFloat16* from = q.data_ptr<at::BFloat16>();
+    float* to = qf.data_ptr<float>();
+    for (int64_t i = 0; i < q.numel(); i++) to[i] = float(from[i]);
+  } else {
+    qf = q.to(at::kFloat).contiguous();
+  }
   at::Tensor out = at::empty(qf.sizes(), qf.options());
   const float s = float(scale);
   switch (k.scalar_type()) {

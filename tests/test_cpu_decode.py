@@ -279,6 +279,26 @@ def test_the_cpu_kernel_reads_a_scaled_caches_scales_in_the_models_dtype(store, 
                                        cache.v_scales.float(), mask, 0.125)) > 1e-4  # the scales are read
 
 
+@needs_kernel
+@torch.no_grad()
+def test_the_cpu_kernel_takes_a_bf16_q_as_its_fp32_numbers():
+    """A bf16 model's q, converted by the kernel itself (contiguous) or by ATen (strided): exactly the result
+    of the same numbers given in fp32."""
+    torch.manual_seed(0)
+    B, n_kv, group, hd, length = 2, 3, 3, 64, 200
+    cache = KVCache(B, length, n_kv, hd, torch.bfloat16)
+    positions = torch.arange(length).expand(B, -1)
+    cache.write(positions, *(torch.randn(B, length, n_kv, hd, dtype=torch.bfloat16) for _ in "kv"))
+    mask = attention_mask(torch.tensor([[150], [40]]), positions)
+    q = torch.randn(B, n_kv, group, hd, dtype=torch.bfloat16)
+    kernel = cpu_decode.attention_kernel()
+    expected = kernel(q.float(), cache.k_cache, cache.v_cache, None, None, mask, 0.125)
+    strided = torch.randn(B, n_kv, hd, group, dtype=torch.bfloat16).transpose(2, 3)
+    for q_bf16, fp32 in ((q, expected), (strided, kernel(strided.float(), cache.k_cache, cache.v_cache, None, None,
+                                                          mask, 0.125))):
+        assert torch.equal(kernel(q_bf16, cache.k_cache, cache.v_cache, None, None, mask, 0.125), fp32)
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("cpu", marks=needs_kernel), "triton"])
 @pytest.mark.parametrize("store", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("B, n_kv, group, T, hd", [(1, 3, 3, 1, 64), (3, 2, 1, 1, 128), (2, 1, 4, 3, 80),
