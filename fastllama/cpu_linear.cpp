@@ -99,9 +99,9 @@ struct Int4Tiles {
   static constexpr int MAX_ROWS = 4;
   static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
   static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 8 chunks of 32 bytes
-  // Blocks fetched ahead of the one summed, past a group's end into the next group's: a small model's product
-  // reads a few hundred KB, too short a stream for the hardware's prefetcher to reach speed on its own
-  // (benchmarks/RESULTS.md, "Int4 weights fetched ahead")
+  // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
+  // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
+  // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
   static constexpr int64_t AHEAD = 4;
   const uint32_t* x;
   const float* sx;
