@@ -129,7 +129,7 @@ struct Int4Tiles {
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-      fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);
+      if (r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes of a group find it in cache
       __m512 d[NT][R];  // a block's sums, each row's added in the same order whatever the rows
       for (int t = 0; t < NT; t++)
         for (int r = 0; r < R; r++) d[t][r] = _mm512_setzero_ps();
