@@ -4,9 +4,12 @@ deepest (a step's cost must follow its depth, not the cache's size); prefill of 
 with its peak memory beyond what the model holds; llama.cpp at the same depths beside them (its
 llama-bench, or llama-cpp-python with --llama-cpp). MBU counts the weights and the KV bytes a step
 reads; "KV GB/s", the cache bytes a step reads beyond the first depth's over the time it takes beyond it.
+With --rounds R all of it is measured R times in turn, ours then llama.cpp, and each figure is the
+rounds' median (a ratio, the median of the rounds' own ratios).
 
     python scripts/benchmark_depths.py --depths 0 1024 4096 8000 --quantized int4 --kv_cache_dtype bf16 int8 --llama-bench PATH/llama-bench
     python scripts/benchmark_depths.py --gguf model.gguf --depths 0 1024 4096 --kv_cache_dtype bf16 int8 --no-prefill --llama-cpp
+    python scripts/benchmark_depths.py --gguf model.gguf --depths 16 2048 --no-prefill --no-own-cache --rounds 5 --llama-bench PATH/llama-bench
     python scripts/benchmark_depths.py --model Llama-3.1-8B --random-weights --device cuda --depths 0 8192 32768 --kv_cache_dtype bf16 int8 fp8 --no-prefill
 """
 
@@ -54,59 +57,89 @@ def depths_main(args):
     shallow = next((d for d in depths if d > 0), 0)
     bandwidth = copy_bandwidth_gbs(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
-          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}) after "
+          f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}"
+          f"{f'; the median of {args.rounds} rounds, ours and llama.cpp in turn' if args.rounds > 1 else ''}) after "
           f"{'random cache contents' if args.no_prefill else 'a random prompt'} of each depth, in a cache of "
           f"{deepest_cache} positions; MBU: weight and KV bytes a step reads over the measured copy bandwidth, "
           f"{bandwidth:.0f} GB/s")
+    # Each round measures ours, then llama.cpp: the machine's slower and faster spells fall on both, and
+    # a ratio is taken within a round before the rounds' median (a VM's 2 cores swing 1.2x in minutes).
+    rows, peers, rounds = {}, {}, []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        ms = {}
+        for name, m in models:
+            for kv in args.kv_cache_dtype:
+                if r == 0:
+                    rows[name, kv] = dict(weights=name, kv_cache=kv, cache_positions=deepest_cache, own_cache=None)
+                if r == 0 and 0 < shallow < depths[-1] and not args.no_own_cache:  # setup_caches keeps a larger cache
+                    m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
+                                   kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+                    rows[name, kv]["own_cache"] = dict(depth=shallow, cache_positions=m.max_seq_length,
+                                                       ms_per_token=decode_ms_at_depth(m, shallow, n, args, steps))
+                m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
+                ms[name, kv] = dict(zip(depths, (decode_ms_at_depth(m, d, n, args, steps) for d in depths)))
+                if r == 0:
+                    prefill_tok_s, peak_mb = ((None, None) if args.no_prefill
+                                              else prefill_at_depth(m, depths[-1], args, steps))
+                    rows[name, kv].update(kv_cache_mb=kv_cache_bytes(m) / 1e6, prefill_tok_s=prefill_tok_s,
+                                          prefill_peak_mb=peak_mb,
+                                          bytes_read={d: bytes_read_per_step(m, d, n) for d in depths})
+        if args.llama_bench:
+            tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
+            ms["llama-bench"] = {t["n_depth"]: 1e3 / t["avg_ts"] for t in tg}
+            if r == 0:
+                peers["llama-bench"] = dict(weights=f"llama.cpp {tg[0]['model_type']}",
+                                            kv_cache=tg[0].get("type_k", "f16"), build=tg[0]["build_commit"])
+                if not args.no_prefill:
+                    peers["llama-bench"]["prefill_tok_s"] = llama_bench_json(
+                        args, "-p", str(depths[-1]), "-n", "0")[0]["avg_ts"]
+            print(f"  llama-bench: " + ", ".join(f"depth {d} {x:.2f}" for d, x in ms["llama-bench"].items())
+                  + " ms/token", flush=True)
+        if args.llama_cpp:
+            ms["llama-cpp-python"] = llama_cpp_ms(args, depths, n)
+            peers["llama-cpp-python"] = dict(weights="llama.cpp (llama-cpp-python)", kv_cache="f16")
+        rounds.append(ms)
+
+    def median(f):  # a figure's median over the rounds, at each depth: f(a round's ms, depth)
+        per_round = [[f(ms, d) for ms in rounds] for d in depths]
+        return {d: statistics.median(x) if None not in x else None for d, x in zip(depths, per_round)}
+
+    def over_depth0(key):  # the cache read beyond the first depth's, over the time beyond it
+        gone = rows[key]["bytes_read"]
+        return lambda ms, d: ((gone[d] - gone[depths[0]]) / ((ms[key][d] - ms[key][depths[0]]) / 1e3) / 1e9
+                              if d > depths[0] and ms[key][d] > ms[key][depths[0]] else None)
+
     print(f"{'weights':24} {'KV cache':8} {'KV MB':>7} " + " ".join(f"{'d ' + str(d):>9}" for d in depths)
           + ("" if args.no_prefill else f" {'prefill tok/s':>13} {'peak MB':>8}"))
-    rows = []
-    for name, m in models:
-        for kv in args.kv_cache_dtype:
-            own = None
-            if 0 < shallow < depths[-1] and not args.no_own_cache:  # first: setup_caches keeps a larger cache
-                m.setup_caches(1, decode.padded_length(shallow + n, m.config.block_size),
-                               kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
-                own = dict(depth=shallow, cache_positions=m.max_seq_length,
-                           ms_per_token=decode_ms_at_depth(m, shallow, n, args, steps))
-            m.setup_caches(1, deepest_cache, kv_cache_dtype=gen.KV_CACHE_DTYPES[kv])
-            ms = [decode_ms_at_depth(m, d, n, args, steps) for d in depths]
-            prefill_tok_s, peak_mb = (None, None) if args.no_prefill else prefill_at_depth(m, depths[-1], args, steps)
-            mbu = [bytes_read_per_step(m, d, n) / (x / 1e3) / 1e9 / bandwidth for d, x in zip(depths, ms)]
-            row = dict(weights=name, kv_cache=kv, kv_cache_mb=kv_cache_bytes(m) / 1e6, cache_positions=deepest_cache,
-                       ms_per_token=dict(zip(depths, ms)), mbu=dict(zip(depths, mbu)), prefill_tok_s=prefill_tok_s,
-                       prefill_peak_mb=peak_mb, own_cache=own)
-            # the cache read beyond the first depth's, over the time beyond it
-            kv_gbs = [(bytes_read_per_step(m, d, n) - bytes_read_per_step(m, depths[0], n)) / ((x - ms[0]) / 1e3) / 1e9
-                      if d > depths[0] and x > ms[0] else None for d, x in zip(depths, ms)]
-            row["kv_gb_s"] = dict(zip(depths, kv_gbs))
-            print(f"{name:24} {kv:8} {row['kv_cache_mb']:7.1f} " + " ".join(f"{x:9.2f}" for x in ms)
-                  + ("" if args.no_prefill else f" {prefill_tok_s:13.1f} {peak_mb:8.1f}"))
-            print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in mbu))
-            print(f"{'':24} {'KV GB/s':8} {'':7} " + " ".join(f"{x:9.1f}" if x else f"{'':9}" for x in kv_gbs))
-            if own:
-                print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
-                      f"{own['ms_per_token']:.2f} ms (in the deep cache: "
-                      f"{ms[depths.index(shallow)] / own['ms_per_token']:.2f}x)")
-            rows.append(row)
-    if args.llama_bench:
-        tg = llama_bench_json(args, "-p", "0", "-n", str(n), "-d", ",".join(map(str, depths)))
-        row = dict(weights=f"llama.cpp {tg[0]['model_type']}", kv_cache=tg[0].get("type_k", "f16"),
-                   ms_per_token={r["n_depth"]: 1e3 / r["avg_ts"] for r in tg}, build=tg[0]["build_commit"])
-        if not args.no_prefill:
-            row["prefill_tok_s"] = llama_bench_json(args, "-p", str(depths[-1]), "-n", "0")[0]["avg_ts"]
+    for key, row in rows.items():
+        row["ms_per_token"] = median(lambda ms, d: ms[key][d])
+        row["mbu"] = {d: row["bytes_read"][d] / (x / 1e3) / 1e9 / bandwidth for d, x in row["ms_per_token"].items()}
+        row["kv_gb_s"] = median(over_depth0(key))
+        row["ms_per_token_by_round"] = [ms[key] for ms in rounds]
+        print(f"{row['weights']:24} {row['kv_cache']:8} {row['kv_cache_mb']:7.1f} "
+              + " ".join(f"{x:9.2f}" for x in row["ms_per_token"].values())
+              + ("" if args.no_prefill else f" {row['prefill_tok_s']:13.1f} {row['prefill_peak_mb']:8.1f}"))
+        print(f"{'':24} {'MBU':8} {'':7} " + " ".join(f"{x:9.0%}" for x in row["mbu"].values()))
+        print(f"{'':24} {'KV GB/s':8} {'':7} " + " ".join(f"{x:9.1f}" if x else f"{'':9}"
+                                                           for x in row["kv_gb_s"].values()))
+        if row["own_cache"]:
+            own = row["own_cache"]
+            print(f"{'':33} depth {shallow} in a cache of {own['cache_positions']} positions: "
+                  f"{own['ms_per_token']:.2f} ms (in the deep cache: "
+                  f"{row['ms_per_token'][shallow] / own['ms_per_token']:.2f}x)")
+    for peer, row in peers.items():
+        row["ms_per_token"] = median(lambda ms, d: ms[peer][d])
+        row["ms_per_token_by_round"] = [ms[peer] for ms in rounds]
         print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} "
-              + " ".join(f"{row['ms_per_token'][d]:9.2f}" for d in depths)
-              + ("" if args.no_prefill else f" {row['prefill_tok_s']:13.1f}"))
-        rows.append(row)
-    if args.llama_cpp:
-        ms = llama_cpp_ms(args, depths, n)
-        row = dict(weights="llama.cpp (llama-cpp-python)", kv_cache="f16", ms_per_token=ms)
-        print(f"{row['weights']:24} {row['kv_cache']:8} {'':7} " + " ".join(f"{ms[d]:9.2f}" for d in depths))
-        for ours in rows[:-1] if args.llama_bench else rows:  # how many times faster ours decodes
-            print(f"{'ours / llama.cpp':24} {ours['kv_cache']:8} {'':7} "
-                  + " ".join(f"{ms[d] / ours['ms_per_token'][d]:8.2f}x" for d in depths))
-        rows.append(row)
+              + " ".join(f"{x:9.2f}" for x in row["ms_per_token"].values())
+              + (f" {row['prefill_tok_s']:13.1f}" if "prefill_tok_s" in row else ""))
+        for key, ours in rows.items():  # how many times faster ours decodes, each round's ratio's median
+            ours.setdefault("speedup", {})[peer] = median(lambda ms, d: ms[peer][d] / ms[key][d])
+            print(f"{'ours / ' + peer:24} {ours['kv_cache']:8} {'':7} "
+                  + " ".join(f"{x:8.2f}x" for x in ours["speedup"][peer].values()))
+    rows = list(rows.values()) + list(peers.values())
     if args.json:
         write_record(args, depths=depths, copy_bandwidth_gbs=bandwidth, rows=rows)
 
@@ -232,6 +265,9 @@ if __name__ == "__main__":
                    help="context depths: decode ms/token after D tokens, for each D (and prefill of the deepest)")
     p.add_argument("--kv_cache_dtype", nargs="+", choices=gen.KV_CACHE_DTYPES, default=["bf16"],
                    help="the KV cache formats to measure")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure everything this many times in turn (ours, then llama.cpp) and give each figure's "
+                        "median, each ratio's taken within a round: for a machine whose speed drifts")
     p.add_argument("--no-own-cache", action="store_true",
                    help="skip the first depth's run in a cache sized for it (two compiles a format)")
     p.add_argument("--llama-cpp", action="store_true",
@@ -245,6 +281,8 @@ if __name__ == "__main__":
     check_model_arguments(args)
     if args.llama_cpp and (args.model or args.checkpoint_path) and not args.gguf:
         refuse("--llama-cpp measures the bundled model's GGUF unless --gguf names this model's")
+    if args.rounds < 1:
+        refuse("--rounds takes 1 or more")
     if min(args.depths) < 0 or max(args.depths) == 0:
         refuse("--depths takes context depths, each 0 or more, the deepest above 0")
     run_cli(depths_main, args)

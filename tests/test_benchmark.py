@@ -157,6 +157,40 @@ def test_depths_run_without_prefill(tmp_path):
     assert refused.returncode == 1 and "a sliding-window model's ring" in refused.stderr.strip().splitlines()[-1]
 
 
+def test_depths_rounds_take_ours_and_llama_bench_in_turn(tmp_path):
+    """--rounds: ours, then llama-bench, round after round; each figure is the rounds' median and each
+    ratio the median of the rounds' own ratios (a stand-in llama-bench, 10 ms a token in its first
+    call, 20 in its second)."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\n" + """import json, pathlib, sys
+calls = pathlib.Path(sys.argv[0]).with_name("calls")
+calls.write_text(calls.read_text() + "x" if calls.exists() else "x")
+depths = sys.argv[sys.argv.index("-d") + 1].split(",")
+print(json.dumps([dict(n_depth=int(d), avg_ts=100 / len(calls.read_text()), model_type="fake", build_commit="0")
+                  for d in depths]))
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "depths.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/benchmark_depths.py", "--model", "SmolLM2-135M", "--random-weights", "--device", "cpu",
+         "--depths", "0", "300", "--max_new_tokens", "2", "--runs", "1", "--no-own-cache", "--no-prefill",
+         "--rounds", "2", "--gguf", str(fake), "--llama-bench", str(fake), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=eager_everywhere(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines()
+             if line.startswith("round ") or "depth 300:" in line or "llama-bench:" in line]
+    assert [line.split()[0] for line in lines] == ["round", "torch.bfloat16", "llama-bench:"] * 2
+    ours, peer = json.loads(out.read_text())["rows"]
+    assert peer["ms_per_token"] == {"0": 15.0, "300": 15.0}
+    for d in ("0", "300"):
+        by_round = [peer_ms[d] / our_ms[d] for our_ms, peer_ms in zip(ours["ms_per_token_by_round"],
+                                                                     peer["ms_per_token_by_round"])]
+        assert by_round[0] != by_round[1]
+        assert ours["speedup"]["llama-bench"][d] == pytest.approx(sum(by_round) / 2)
+        assert ours["ms_per_token"][d] == pytest.approx(sum(r[d] for r in ours["ms_per_token_by_round"]) / 2)
+    assert "ours / llama-bench" in run.stdout
+
+
 def test_speculative_runs_end_to_end(tmp_path, bundled_checkpoint):
     """--speculative: verify steps' cost, then plain decoding against each drafter on the three prompts,
     end to end and past the prefill (eager, as above)."""

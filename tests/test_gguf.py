@@ -277,6 +277,6 @@ def test_benchmark_depths_runs_ours_and_llama_cpp_on_one_gguf_file(files, tmp_pa
         assert run.returncode == 0, run.stderr
         rows = json.loads((tmp_path / "out.json").read_text())["rows"]
         assert [r["weights"] for r in rows] == ["gguf-q4_1, bf16", "llama.cpp (llama-cpp-python)"]
-        assert "ours / llama.cpp" in run.stdout
+        assert "ours / llama-cpp-python" in run.stdout
     finally:
         shutil.rmtree(convert.GGUF_CHECKPOINTS / path.stem, ignore_errors=True)
