@@ -95,7 +95,7 @@ def depths_main(args):
                 if not args.no_prefill:
                     peers["llama-bench"]["prefill_tok_s"] = llama_bench_json(
                         args, "-p", str(depths[-1]), "-n", "0")[0]["avg_ts"]
-            print(f"  llama-bench: " + ", ".join(f"depth {d} {x:.2f}" for d, x in ms["llama-bench"].items())
+            print("  llama-bench: " + ", ".join(f"depth {d} {x:.2f}" for d, x in ms["llama-bench"].items())
                   + " ms/token", flush=True)
         if args.llama_cpp:
             ms["llama-cpp-python"] = llama_cpp_ms(args, depths, n)
