@@ -58,7 +58,8 @@ def depths_main(args):
     bandwidth = copy_bandwidth_gbs(args.device)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.device}, "
           f"{torch.get_num_threads()} threads, decode ms/token ({n} steps, median of {args.runs}"
-          f"{f'; the median of {args.rounds} rounds, ours and llama.cpp in turn' if args.rounds > 1 else ''}) after "
+          f"{f'; the median of {args.rounds} rounds' if args.rounds > 1 else ''}"
+          f"{', ours and llama.cpp in turn' if args.rounds > 1 and (args.llama_bench or args.llama_cpp) else ''}) after "
           f"{'random cache contents' if args.no_prefill else 'a random prompt'} of each depth, in a cache of "
           f"{deepest_cache} positions; MBU: weight and KV bytes a step reads over the measured copy bandwidth, "
           f"{bandwidth:.0f} GB/s")
