@@ -31,7 +31,6 @@ constexpr int64_t SERIAL = 1024;  // positions of all heads below which one thre
 constexpr int64_t SUMS = 256;     // positions an int32 sum of products takes, their weights rounded together
 constexpr int ROWS = 4;           // query rows that one pass over a chunk's keys and values serves
 constexpr int64_t AHEAD = 16;     // positions ahead of the one being read that are fetched (prefetch_row)
-constexpr int64_t BLOCK = 16;     // positions a block of an int8 cache's keys holds, in pairs of elements (score_blocks)
 constexpr int KEYS = 4;           // keys whose dot products are computed, and summed across lanes, together
 constexpr float INF = std::numeric_limits<float>::infinity();
 
@@ -342,52 +341,6 @@ void weigh_pairs(const Chunk& c, int64_t r0, int64_t d0, const int16_t* weights,
   }
 }
 
-// Rows r0 .. r0 + Rows - 1's scores over the chunk's keys, as score_rows gives them, from an int8 cache whose keys
-// lie in blocks of BLOCK positions, each pair of elements the block's positions side by side ((hd / 2, BLOCK, 2)
-// a block, model.KVCache's key_blocks). A key's levels then widen with 15 others' and vpdpwssd adds BLOCK
-// positions' products with a pair of a row's elements into BLOCK int32 lanes: a block's dot products come out in
-// one vector, with no sums across lanes, which took as many instructions as the products (benchmarks/RESULTS.md,
-// "An int8 cache's keys in blocks")
-template <int Rows>
-void score_blocks(const Chunk& c, int64_t r0, const int8_t* keys, const int8_t* values, int64_t value_stride) {
-  __m512 best[Rows];
-  int64_t t[Rows];  // row r's step position
-  for (int r = 0; r < Rows; r++) best[r] = _mm512_set1_ps(-INF), t[r] = (r0 + r) % c.T;
-  const int64_t block_bytes = BLOCK * c.hd;
-  for (int64_t i0 = 0; i0 < c.n; i0 += BLOCK) {  // chunks start at a multiple of BLOCK (chunk_for)
-    if (!c.sees(c.T, i0, BLOCK)) {  // keys no row sees are never read
-      for (int r = 0; r < Rows; r++) std::fill_n(c.scores + (r0 + r) * CHUNK + i0, BLOCK, -INF);
-      continue;
-    }
-    const int8_t* block = keys + (c.s0 + i0) / BLOCK * block_bytes;
-    if (i0 + 2 * BLOCK < c.n) {  // two blocks ahead; and the values, as score_rows fetches them
-      for (int64_t byte = 0; byte < block_bytes; byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + 2 * block_bytes + byte), _MM_HINT_T0);
-      if (Rows > 1 && r0 == 0)
-        for (int64_t j = 0; j < BLOCK; j++) prefetch_row<_MM_HINT_T1>(values + (c.s0 + i0 + j + AHEAD) * value_stride, c.hd);
-    }
-    __m512i acc[Rows][2];  // two chains of sums a row, for pairs of elements 2p and 2p + 1
-    for (int r = 0; r < Rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < c.hd / 2; p += 2) {  // hd / 2 is a multiple of 8
-      const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 2 * BLOCK)));
-      const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (p + 1) * 2 * BLOCK)));
-      for (int r = 0; r < Rows; r++) {
-        const int32_t* pairs = reinterpret_cast<const int32_t*>(c.q16 + (r0 + r) * c.hd16) + p;
-        acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], k0, _mm512_set1_epi32(pairs[0]));
-        acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], k1, _mm512_set1_epi32(pairs[1]));
-      }
-    }
-    const __m512 factors = _mm512_loadu_ps(c.key_factor + i0);
-    for (int r = 0; r < Rows; r++) {
-      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1])), _mm512_set1_ps(c.q_scale[r0 + r]));
-      const __m512 row = _mm512_mask_blend_ps(__mmask16(c.sees(t[r], i0, BLOCK)), _mm512_set1_ps(-INF), _mm512_mul_ps(dot, factors));
-      _mm512_storeu_ps(c.scores + (r0 + r) * CHUNK + i0, row);
-      best[r] = _mm512_max_ps(best[r], row);
-    }
-  }
-  for (int r = 0; r < Rows; r++) c.max[r0 + r] = std::max(c.max[r0 + r], _mm512_reduce_max_ps(best[r]));
-}
-
 template <int Rows>
 void weigh_all_pairs(const Chunk& c, int64_t r0, const int16_t* weights, const float* scale, const int8_t* values,
                      int64_t value_stride, float* out) {
@@ -441,7 +394,6 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
             const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask,
             float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), hd = q.size(3), T = mask.size(2), S = mask.size(3);
-  const bool key_blocks = k.dim() == 6;  // (B, H, blocks, hd / 2, BLOCK, 2): score_blocks
   const int64_t chunk = chunk_for(B * H, S), chunks = (S + chunk - 1) / chunk, tasks = B * H * chunks;
   // what each task leaves for each row: the largest score of its chunk, the sum of exp(score - max) and
   // the values weighed by exp(score - max); the chunks are merged afterwards
@@ -503,13 +455,7 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
       for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), values, v.stride(2))
-#define SCORE_BLOCKS(n) score_blocks<n>(c, r0, reinterpret_cast<const int8_t*>(keys), reinterpret_cast<const int8_t*>(values), v.stride(2))
-        if (key_blocks) {
-          if constexpr (integers) FOR_ROWS(R - r0, SCORE_BLOCKS)
-        } else {
-          FOR_ROWS(R - r0, SCORE)
-        }
-#undef SCORE_BLOCKS
+        FOR_ROWS(R - r0, SCORE)
 #undef SCORE
       }
       // scores -> exp(score - max), 0 past the chunk's positions (to a multiple of 16); then the weights of the
@@ -571,30 +517,16 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
 }
 
 // q (B, H, R, hd): the query rows of each of H key/value heads; k, v (>= B, H, >= S, hd) the caches, of which
-// the first B rows and S slots are read (an int8 cache's keys may come in blocks, (>= B, H, >= S / BLOCK, hd / 2,
-// BLOCK, 2), where the CPU has AVX-512 VNNI); k_scales, v_scales (>= B, H, >= S, 1) for int8 and fp8 caches;
+// the first B rows and S slots are read; k_scales, v_scales (>= B, H, >= S, 1) for int8 and fp8 caches;
 // mask (B, 1, T, S) of bools or bytes, R a multiple of T, T <= 16, hd a multiple of 16. Returns (B, H, R, hd) in fp32.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                             const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && (k.dim() == 4 || k.dim() == 6) && v.dim() == 4 && mask.dim() == 4 &&
-                  (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte),
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && mask.dim() == 4 && (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte),
               "decode_attention: q (B, H, R, hd), caches (B, H, S, hd), a bool or uint8 mask (B, 1, T, S)");
-  TORCH_CHECK(v.stride(3) == 1 && k.scalar_type() == v.scalar_type() && q.size(3) % 16 == 0,
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.scalar_type() == v.scalar_type() && q.size(3) % 16 == 0,
               "decode_attention: caches of one dtype, each row contiguous, hd a multiple of 16");
-  if (k.dim() == 6) {
-#ifdef __AVX512VNNI__
-    TORCH_CHECK(k.scalar_type() == at::kChar && k.size(3) * 2 == q.size(3) && k.size(4) == BLOCK && k.size(5) == 2 &&
-                    k.stride(5) == 1 && k.stride(4) == 2 && k.stride(3) == 2 * BLOCK && k.stride(2) == BLOCK * q.size(3) &&
-                    k.size(2) * BLOCK >= mask.size(3),
-                "decode_attention: keys in blocks are an int8 cache's, (B, H, >= S / 16, hd / 2, 16, 2), contiguous blocks");
-#else
-    TORCH_CHECK(false, "decode_attention: keys in blocks need AVX-512 VNNI");
-#endif
-  } else {
-    TORCH_CHECK(k.stride(3) == 1 && k.size(2) >= mask.size(3), "decode_attention: each key contiguous, S slots or more");
-  }
-  TORCH_CHECK(q.size(2) % mask.size(2) == 0 && mask.size(2) <= 16 && v.size(2) >= mask.size(3) && k_scales.has_value() == v_scales.has_value(),
+  TORCH_CHECK(q.size(2) % mask.size(2) == 0 && mask.size(2) <= 16 && k.size(2) >= mask.size(3) && k_scales.has_value() == v_scales.has_value(),
               "decode_attention: shapes disagree");
   // q in fp32, a bf16 q converted here rather than by an ATen op, whose dispatch costs more than the few hundred
   // numbers of a decode step's q take to convert (30 calls a step)

@@ -141,8 +141,6 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
-# ... and FASTLLAMA_KEY_BLOCKS=0 keeps an int8 cache's keys as rows for it (KVCache's key_blocks)
-USE_KEY_BLOCKS = os.environ.get("FASTLLAMA_KEY_BLOCKS", "1") != "0"
 # ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
 # PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to the compiled loop, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy
 # to oneDNN's
@@ -395,8 +393,5 @@ def apply(model: Transformer):
             module.product, module.path = attention_product, types.MethodType(attention_path, module)
             if kernel and module.head_dim % 16 == 0:  # the kernel's loads take 16 elements at a time
                 module.decode_kernel, module.decode_rows = decode_attention, ATTENTION_ROWS
-                # an int8 cache's keys in blocks, whose scores the kernel computes in integers without sums
-                # across lanes where the CPU has AVX-512 VNNI (benchmarks/RESULTS.md, "An int8 cache's keys in blocks")
-                module.key_blocks = USE_KEY_BLOCKS and torch.cpu._is_vnni_supported()
         elif isinstance(module, ExpertLinears):  # each row times its own expert's weights
             module.product = one_row_product

@@ -96,8 +96,6 @@ class ModelArgs:
 # the scaled formats of the KV cache: each key and value vector (one token's head) stored as levels of
 # its own scale, the vector's largest magnitude mapped to the format's largest value
 SCALED_KV_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-# slots a block of an int8 cache's keys holds, where they lie in blocks (KVCache's key_blocks)
-KEY_BLOCK = 16
 
 
 class KVCache(nn.Module):
@@ -106,20 +104,13 @@ class KVCache(nn.Module):
 
     Stored in `store_dtype`: the model's dtype, another float, or a scaled format (SCALED_KV_MAX:
     int8, rounded to integer levels, or fp8 e4m3), half the bytes of bf16; read back in the model's
-    dtype (compiled decoding fuses that into attention's pass over the cache). With key_blocks, an int8
-    cache's keys lie in blocks of KEY_BLOCK slots, (B, n_heads, blocks, head_dim / 2, KEY_BLOCK, 2): each
-    pair of a key's elements beside the block's other keys' (cpu_attention.cpp's layout, whose scores then
-    need no sums across a vector's lanes)."""
+    dtype (compiled decoding fuses that into attention's pass over the cache)."""
 
-    def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None, store_dtype=None,
-                 key_blocks=False):
+    def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None, store_dtype=None):
         super().__init__()
         shape = (max_batch_size, n_heads, length, head_dim)
         self.dtype, store_dtype = dtype, store_dtype or dtype
-        k_shape = shape
-        if key_blocks and store_dtype == torch.int8:
-            k_shape = (max_batch_size, n_heads, -(-length // KEY_BLOCK), head_dim // 2, KEY_BLOCK, 2)
-        self.register_buffer("k_cache", torch.zeros(k_shape, dtype=store_dtype, device=device), persistent=False)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
         if store_dtype in SCALED_KV_MAX:  # a scale per token and head: (B, n_heads, length, 1)
             self.register_buffer("k_scales", torch.zeros(*shape[:3], 1, dtype=dtype, device=device), persistent=False)
@@ -131,7 +122,7 @@ class KVCache(nn.Module):
         not written is masked by position (attention_mask) until it is overwritten."""
         B = k.shape[0]
         rows = first + torch.arange(B, device=k.device).unsqueeze(1)  # (B, 1)
-        slots = input_pos % self.v_cache.shape[2]
+        slots = input_pos % self.k_cache.shape[2]
         store = self.k_cache.dtype
         if store not in SCALED_KV_MAX:
             self.k_cache[rows, :, slots] = k.to(store)
@@ -140,43 +131,17 @@ class KVCache(nn.Module):
         for cache, scales, x in ((self.k_cache, self.k_scales, k), (self.v_cache, self.v_scales, v)):
             scale = (x.float().abs().amax(-1, keepdim=True) / SCALED_KV_MAX[store]).clamp(min=1e-8)  # (B, T, n_kv, 1)
             levels = x.float() / scale
-            levels = (levels.round() if store == torch.int8 else levels).to(store)
-            if cache.dim() == 6:  # keys in blocks: slot s is position s % KEY_BLOCK of block s // KEY_BLOCK
-                cache[rows, :, slots // KEY_BLOCK, :, slots % KEY_BLOCK] = levels.unflatten(-1, (-1, 2))
-            else:
-                cache[rows, :, slots] = levels
+            cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
             scales[rows, :, slots] = scale.to(self.dtype)
 
     def read(self, B: int, n_read: int, first: int = 0) -> tuple[Tensor, Tensor]:
         """The keys and values of rows first .. first + B - 1, their first n_read slots, (B, n_kv, n_read, hd),
         in the model's dtype (compiled code fuses the conversion into the loop that reads them)."""
         rows = slice(first, first + B)
-        k, v = self.keys(rows, n_read).to(self.dtype), self.v_cache[rows, :, :n_read].to(self.dtype)
         if self.k_cache.dtype not in SCALED_KV_MAX:
-            return k, v
-        return k * self.k_scales[rows, :, :n_read], v * self.v_scales[rows, :, :n_read]
-
-    def keys(self, rows, n: int) -> Tensor:
-        """The stored keys of `rows`' first n slots, (B, n_kv, n, hd), out of their blocks where they lie in them."""
-        if self.k_cache.dim() == 4:
-            return self.k_cache[rows, :, :n]
-        blocks = self.k_cache[rows, :, :-(-n // KEY_BLOCK)].transpose(3, 4)  # (B, n_kv, blocks, KEY_BLOCK, hd / 2, 2)
-        return blocks.flatten(2, 3).flatten(-2)[:, :, :n]
-
-    def move(self, rows: Tensor, source: Tensor, target: Tensor):
-        """Slot source's keys and values (and scales) copied to slot target in each of `rows` (each a tensor (B,))."""
-        for buffer in self.buffers():
-            if buffer.dim() == 6:
-                buffer[rows, :, target // KEY_BLOCK, :, target % KEY_BLOCK] = \
-                    buffer[rows, :, source // KEY_BLOCK, :, source % KEY_BLOCK]
-            else:
-                buffer[rows, :, target] = buffer[rows, :, source]
-
-    def copy_row(self, source: int, row: int, n: int):
-        """Row source's first n slots (at most all) into row; a block of keys whole, past n slots too."""
-        for buffer in self.buffers():
-            m = min(-(-n // KEY_BLOCK), buffer.shape[2]) if buffer.dim() == 6 else min(n, buffer.shape[2])
-            buffer[row, :, :m] = buffer[source, :, :m]
+            return self.k_cache[rows, :, :n_read].to(self.dtype), self.v_cache[rows, :, :n_read].to(self.dtype)
+        return tuple(cache[rows, :, :n_read].to(self.dtype) * scales[rows, :, :n_read]
+                     for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
 
 
 class Rows(NamedTuple):
@@ -237,8 +202,7 @@ class Transformer(nn.Module):
         # slice become contiguous at n == length, would compile a second graph for that one depth.
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, ring if c.is_sliding(i) else max_seq_length + 1,
-                                               c.n_local_heads, c.head_dim, dtype, weight.device, kv_cache_dtype,
-                                               layer.attention.key_blocks)
+                                               c.n_local_heads, c.head_dim, dtype, weight.device, kv_cache_dtype)
         # the position each cache slot holds: slot s of a full cache, position s (or a stale one past
         # the row's, masked); a ring's slots are tracked as they are written, -1 while empty
         positions = torch.arange(max_seq_length + 1, device=weight.device).expand(max_batch_size, -1)
@@ -398,9 +362,8 @@ class Attention(nn.Module):
     # The two products of written-out attention. On CPU, cpu_decode.py swaps in a form that compiled code
     # fuses into one pass over the cache; everything around the products (scale, mask, softmax) stays here.
     product = staticmethod(torch.matmul)
-    # The device's decode attention kernel (attend_cache) and the most query rows a key/value head it takes,
-    # and whether it reads an int8 cache's keys faster in blocks (KVCache's key_blocks)
-    decode_kernel, decode_rows, key_blocks = None, 0, False
+    # The device's decode attention kernel (attend_cache) and the most query rows a key/value head it takes
+    decode_kernel, decode_rows = None, 0
 
     def __init__(self, config: ModelArgs):
         super().__init__()

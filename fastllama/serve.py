@@ -453,7 +453,9 @@ def copy_row(model: Transformer, source: int, row: int, length: int):
     """The caches' (keys, values, their scales) row source into row, positions 0 .. length - 1: all of a
     sliding-window ring, whose slots are positions modulo its length."""
     for layer in model.layers:
-        layer.attention.kv_cache.copy_row(source, row, length)
+        for buffer in layer.attention.kv_cache.buffers():
+            n = min(length, buffer.shape[2])
+            buffer[row, :, :n] = buffer[source, :, :n]
     if hasattr(model, "ring_positions"):
         model.ring_positions[row] = model.ring_positions[source]
 

@@ -293,7 +293,8 @@ def move_cache_entries(model: Transformer, source: Tensor, target: Tensor):
     cache: a draft the tree verified in a slot of its own goes where its position is."""
     rows = torch.arange(source.shape[0], device=source.device)
     for layer in model.layers:
-        layer.attention.kv_cache.move(rows, source, target)
+        for buffer in layer.attention.kv_cache.buffers():
+            buffer[rows, :, target] = buffer[rows, :, source]
 
 
 

@@ -255,7 +255,7 @@ def bytes_read_per_step(model: Transformer, depth: int, n: int) -> float:
     kv = 0.0
     for layer in model.layers:
         cache = layer.attention.kv_cache
-        slots = cache.v_cache.shape[2]
+        slots = cache.k_cache.shape[2]
         kv += sum(buffer.nbytes for buffer in cache.buffers()) / slots * min(positions, slots)
     return gen.weight_bytes_per_token(model) + kv
 

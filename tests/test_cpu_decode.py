@@ -254,41 +254,6 @@ def decode_attention_kernel(name: str) -> tuple:
     return kernels.decode_attention, kernels.ATTENTION_ROWS
 
 
-needs_key_blocks = pytest.mark.skipif(cpu_decode.attention_kernel() is None or not torch.cpu._is_vnni_supported(),
-                                      reason="keys in blocks: the CPU kernel with AVX-512 VNNI")
-
-
-@needs_key_blocks
-@pytest.mark.parametrize("length, hd, group, T", [(800, 64, 3, 1), (37, 80, 5, 2)])
-@torch.no_grad()
-def test_an_int8_caches_keys_in_blocks_are_its_keys_in_rows(length, hd, group, T):
-    """An int8 cache whose keys lie in blocks of 16 slots (key_blocks, as the CPU kernel reads them fastest) holds
-    what one with keys in rows holds, written at positions that wrap (a ring of 37 slots: a last block in part),
-    read back, moved from slot to slot (speculative.py), copied from row to row (serve.py), and attended over by
-    the kernel: bit for bit the same."""
-    torch.manual_seed(0)
-    B, n_kv = 2, 2
-    rows_, blocks = (KVCache(B + 1, length, n_kv, hd, torch.bfloat16, store_dtype=torch.int8, key_blocks=kb)
-                     for kb in (False, True))
-    assert blocks.k_cache.shape == (B + 1, n_kv, -(-length // 16), hd // 2, 16, 2) and rows_.k_cache.dim() == 4
-    positions = torch.arange(900 if length > 100 else 50).expand(B, -1)
-    k, v = (torch.randn(B, positions.shape[1], n_kv, hd, dtype=torch.bfloat16) for _ in "kv")
-    for cache in (rows_, blocks):
-        cache.write(positions, k, v)
-        cache.move(torch.arange(B), torch.tensor([5, 3]), torch.tensor([20, 21]))
-        cache.copy_row(1, 2, length - 3)
-    S = min(length, 800)
-    for r, n in ((slice(0, B), S), (slice(2, 3), length - 3)):  # the row copied: its first length - 3 slots
-        assert torch.equal(blocks.keys(r, n), rows_.keys(r, n))
-        assert all(torch.equal(a, b) for a, b in zip(blocks.read(r.stop - r.start, n, r.start),
-                                                     rows_.read(r.stop - r.start, n, r.start)))
-    mask = attention_mask(torch.tensor([[S - 1], [S // 2]]) - torch.arange(T).flip(0), torch.arange(S).expand(B, -1))
-    q = torch.randn(B, n_kv, group * T, hd, dtype=torch.bfloat16)
-    kernel = cpu_decode.attention_kernel()
-    ours, expected = (kernel(q, c.k_cache, c.v_cache, c.k_scales, c.v_scales, mask, 0.125) for c in (blocks, rows_))
-    assert torch.equal(ours, expected)
-
-
 @needs_kernel
 @pytest.mark.parametrize("store", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("scales", [torch.bfloat16, torch.float16])

@@ -5,6 +5,9 @@ at each depth, rounds of 8 steps with each; the median ms a step, and "KV GB/s":
 it takes beyond it.
 
     python benchmarks/results/cpu-avx512-int8-key-blocks-steps.py GGUF DEPTH [DEPTH ...]
+
+It runs at commit 78bd209, whose KVCache takes key_blocks; that layout was reverted after these runs, which found
+no difference in whole steps (benchmarks/RESULTS.md, "An int8 cache's keys in blocks, tried").
 """
 import statistics
 import sys
