@@ -9,8 +9,7 @@
 // products; skip the keys no row sees (past a row's length, outside a window) without reading them; and
 // split one head's positions into chunks, each with its own running softmax, so that both threads share
 // even a single key/value head. Where the CPU has AVX-512 VNNI, an int8 cache's products are integer ones
-// (dots, weigh_pairs): converting each level to fp32 cost more than reading it; where it has AVX-512 BF16, a bf16
-// model's rows multiply a bf16 cache's keys as they are, in pairs (dots).
+// (dots, weigh_pairs): converting each level to fp32 cost more than reading it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -128,7 +127,6 @@ struct Chunk {
   const int16_t* q16;    // ... rounded to int16 (R, hd16), for integer products (an int8 cache), or none
   const float* q_scale;  // (R): a row is its q16 times this
   int64_t hd16;          // hd rounded up to 32
-  const at::BFloat16* qb;  // ... or in bf16 (R, hd16), where they came in bf16, for a bf16 cache's products; or none
   const float* key_factor;  // (CHUNK): the scores' scale times each key's own (an int8 or fp8 cache's)
   float* scores;     // (R, CHUNK)
   float* max;        // (R)
@@ -153,28 +151,6 @@ inline void dots(const Chunk& c, int64_t r0, const Element* const* key, __m128* 
   }
   for (int r = 0; r < Rows; r++) dot[r] = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
-
-#ifdef __AVX512BF16__
-// ... and a bf16 cache's, where the rows came in bf16 (c.qb): each key's pairs of elements multiplied by the
-// rows' and summed into fp32 lanes (vdpbf16ps), the products exact as in fp32 but the keys never converted
-template <int Rows>
-inline void dots(const Chunk& c, int64_t r0, const at::BFloat16* const* key, __m128* dot) {
-  if (!c.qb) return dots<Rows, at::BFloat16>(c, r0, key, dot);
-  __m512 acc[Rows][KEYS];
-  for (int r = 0; r < Rows; r++)
-    for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < c.hd; d += 32) {
-    const __mmask32 in = d + 32 <= c.hd ? ~0u : 0xffffu;  // hd is a multiple of 16
-    __m512bh kd[KEYS];
-    for (int j = 0; j < KEYS; j++) kd[j] = (__m512bh)_mm512_maskz_loadu_epi16(in, key[j] + d);
-    for (int r = 0; r < Rows; r++) {
-      const __m512bh qd = (__m512bh)_mm512_loadu_si512(c.qb + (r0 + r) * c.hd16 + d);
-      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qd, kd[j]);
-    }
-  }
-  for (int r = 0; r < Rows; r++) dot[r] = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-}
-#endif
 
 #ifdef __AVX512VNNI__
 // ... and an int8 cache's, in integers: the rows rounded to int16 (c.q16), each key's 32 levels widened to int16
@@ -388,11 +364,9 @@ inline int64_t chunk_for(int64_t heads, int64_t S) {
   return ((S + chunks - 1) / chunks + 15) / 16 * 16;
 }
 
-// out = attention of q (fp32, B, H, R, hd) over the caches; q_in_bf16: q's numbers are a bf16 q's, exactly
 template <typename Element>
-void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::Tensor& v,
-            const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask,
-            float scale, at::Tensor& out) {
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scales,
+            const c10::optional<at::Tensor>& v_scales, const at::Tensor& mask, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), hd = q.size(3), T = mask.size(2), S = mask.size(3);
   const int64_t chunk = chunk_for(B * H, S), chunks = (S + chunk - 1) / chunk, tasks = B * H * chunks;
   // what each task leaves for each row: the largest score of its chunk, the sum of exp(score - max) and
@@ -404,11 +378,6 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
 #else
   constexpr bool integers = false;
 #endif
-#ifdef __AVX512BF16__
-  const bool bf16_products = std::is_same_v<Element, at::BFloat16> && q_in_bf16;  // (dots, in vdpbf16ps)
-#else
-  const bool bf16_products = false;
-#endif
   // int16 levels, fewer past 256 elements a sum so that a sum of products (up to 128 times as large) fits in int32
   const float levels = 32767.f * std::min<float>(1.f, 256.f / float(std::max(hd, SUMS)));
   const int64_t hd16 = (hd + 31) / 32 * 32;
@@ -417,7 +386,6 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
   at::parallel_for(0, tasks, B * H * S < SERIAL ? tasks + 1 : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(R * CHUNK), key_factor(CHUNK, scale), value_factor(CHUNK, 1.f);
     std::vector<int16_t> q16(integers ? R * hd16 : 0), weights16(integers ? R * CHUNK : 0);
-    std::vector<at::BFloat16> qb(bf16_products ? R * hd16 : 0);  // past hd: zeros
     std::vector<float> q_scale(R), weight_scale(R * (CHUNK / SUMS));
     std::vector<uint64_t> seen((T + 1) * WORDS);
     for (int64_t task = begin; task < end; task++) {
@@ -426,8 +394,6 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
       const float* rows = q.data_ptr<float>() + (b * H + h) * R * hd;
       if constexpr (integers)
         for (int64_t r = 0; r < R; r++) q_scale[r] = round16(rows + r * hd, hd, q16.data() + r * hd16, levels);
-      if (bf16_products)  // exactly the bf16 rows that came in
-        for (int64_t r = 0; r < R; r++) std::copy_n(rows + r * hd, hd, qb.begin() + r * hd16);
       const Scales key_scales = scales_of(k_scales, b, h), value_scales = scales_of(v_scales, b, h);
       if (key_scales) key_scales.read(s0, n, scale, key_factor.data());
       if (value_scales) value_scales.read(s0, n, 1.f, value_factor.data());
@@ -448,8 +414,7 @@ void attend(const at::Tensor& q, bool q_in_bf16, const at::Tensor& k, const at::
         seen[T * WORDS + w] = 0;
         for (int64_t t = 0; t < T; t++) seen[T * WORDS + w] |= seen[t * WORDS + w];
       }
-      const Chunk c{T, s0, n, seen.data(), rows, hd, q16.data(), q_scale.data(), hd16,
-                    bf16_products ? qb.data() : nullptr, key_factor.data(), scores.data(),
+      const Chunk c{T, s0, n, seen.data(), rows, hd, q16.data(), q_scale.data(), hd16, key_factor.data(), scores.data(),
                     maxes.data() + task * R};
       const Element* keys = k.data_ptr<Element>() + b * k.stride(0) + h * k.stride(1);
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
@@ -531,8 +496,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // q in fp32, a bf16 q converted here rather than by an ATen op, whose dispatch costs more than the few hundred
   // numbers of a decode step's q take to convert (30 calls a step)
   at::Tensor qf;
-  const bool bf16_q = q.scalar_type() == at::kBFloat16;
-  if (bf16_q && q.is_contiguous()) {
+  if (q.scalar_type() == at::kBFloat16 && q.is_contiguous()) {
     qf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
     const at::BFloat16* from = q.data_ptr<at::BFloat16>();
     float* to = qf.data_ptr<float>();
@@ -543,11 +507,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty(qf.sizes(), qf.options());
   const float s = float(scale);
   switch (k.scalar_type()) {
-    case at::kFloat: attend<float>(qf, bf16_q, k, v, k_scales, v_scales, mask, s, out); break;
-    case at::kBFloat16: attend<at::BFloat16>(qf, bf16_q, k, v, k_scales, v_scales, mask, s, out); break;
-    case at::kHalf: attend<at::Half>(qf, bf16_q, k, v, k_scales, v_scales, mask, s, out); break;
-    case at::kChar: attend<int8_t>(qf, bf16_q, k, v, k_scales, v_scales, mask, s, out); break;
-    case at::kFloat8_e4m3fn: attend<c10::Float8_e4m3fn>(qf, bf16_q, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kFloat: attend<float>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kBFloat16: attend<at::BFloat16>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kHalf: attend<at::Half>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kChar: attend<int8_t>(qf, k, v, k_scales, v_scales, mask, s, out); break;
+    case at::kFloat8_e4m3fn: attend<c10::Float8_e4m3fn>(qf, k, v, k_scales, v_scales, mask, s, out); break;
     default: TORCH_CHECK(false, "decode_attention: no kernel for a cache of ", k.scalar_type());
   }
   return out;
