@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -58,6 +59,16 @@ def timed(fn, device) -> float:
     fn()
     gen.synchronize(device)
     return time.perf_counter() - t0
+
+
+def compiled_apart():
+    """decode_one_token compiled as generate.py compiles it, under a code object of its own, for an A/B run of
+    two models or kernels in one process: dynamo keeps one code object's graphs together and tries the newest
+    first, so that through one compiled step the other side would pay for those guards failing before its own
+    pass (2-6% of a small model's step on this CPU: benchmarks/RESULTS.md, "A/B runs through one compiled step")."""
+    f = decode.decode_one_token
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return gen.copied_out(torch.compile(own, mode="reduce-overhead", fullgraph=True, dynamic=False))
 
 
 def decode_speed(full: list[float], first: list[float], n_new: int) -> dict:

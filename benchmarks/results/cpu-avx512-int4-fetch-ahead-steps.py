@@ -1,6 +1,7 @@
 """Whole decode steps of an int4 checkpoint with REV's int4 products against the checkout's, in turn many times in
 one process: two copies of the model with the same random cache contents, one whose int4 linears call REV's
-cpu_linear.cpp (built under the op namespace fastllama_old); rounds of 20
+cpu_linear.cpp (built under the op namespace fastllama_old), each with its own compiled step (compiled_apart in
+scripts/benchmark.py; the records before 2026-11-29's last section had one for both); rounds of 20
 steps of each, the order alternating; the median ms a step and the quartiles of the rounds' ratios.
 
     python benchmarks/results/cpu-avx512-int4-fetch-ahead-steps.py REV CHECKPOINT DEPTH
@@ -16,9 +17,10 @@ import torch
 from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from benchmark import compiled_apart  # noqa: E402
 from benchmark_depths import fill_at_random  # noqa: E402
 from fastllama import decode, quantize  # noqa: E402
-from fastllama.generate import compiled_steps, load_model  # noqa: E402
+from fastllama.generate import load_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 rev, checkpoint, depth, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), 24
@@ -54,10 +56,10 @@ for name in (rev, "checkout"):
     torch.manual_seed(0)
     fill_at_random(model)
     models[name] = model
-steps = compiled_steps()
+steps = {name: compiled_apart() for name in models}  # each its own graphs (compiled_apart)
 token, length, keys = torch.tensor([[1]]), torch.tensor([[depth]]), decode.key_positions(models[rev], depth + 1)
-outs = [steps.decode_one_token(m, token, length, keys) for m in models.values()]
-outs = [steps.decode_one_token(m, token, length, keys) for m in models.values()]
+outs = [steps[name](m, token, length, keys) for name, m in models.items()]
+outs = [steps[name](m, token, length, keys) for name, m in models.items()]
 print(f"{checkpoint}, depth {depth}, {torch.get_num_threads()} threads; the same outputs: "
       f"{all(torch.equal(a, b) for a, b in zip(*outs))}")
 times = {name: [] for name in models}
@@ -65,7 +67,7 @@ for r in range(rounds):
     for name in (list(models) if r % 2 else list(models)[::-1]):
         t = time.perf_counter()
         for _ in range(20):
-            steps.decode_one_token(models[name], token, length, keys)
+            steps[name](models[name], token, length, keys)
         times[name].append((time.perf_counter() - t) / 20 * 1e3)
 ratios = sorted(a / b for a, b in zip(times[rev], times["checkout"]))
 print(f"{rev} {statistics.median(times[rev]):.3f} ms, checkout {statistics.median(times['checkout']):.3f} ms a step; "

@@ -1,7 +1,8 @@
 """Whole decode steps with the CPU attention kernel of a commit (its cpu_attention.cpp built under the op namespace
 fastllama_old) and of the checkout, in turn many times in one process: two models from one GGUF file, one with a
-bf16 cache and one with an int8 cache (random contents); at each depth, rounds of N steps of each model with each
-kernel; the median ms a step, and "KV GB/s": the cache bytes a step reads beyond the first depth's over the time it
+bf16 cache and one with an int8 cache (random contents), each model and kernel with its own compiled step
+(compiled_apart in scripts/benchmark.py; the records before 2026-11-29's last section had one for all); at each
+depth, rounds of N steps of each model with each kernel; the median ms a step, and "KV GB/s": the cache bytes a step reads beyond the first depth's over the time it
 takes beyond it.
 
     python benchmarks/results/cpu-avx512-longer-chunks-steps.py REV GGUF DEPTH [DEPTH ...]
@@ -18,6 +19,7 @@ from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import benchmark_depths as bd  # noqa: E402
+from benchmark import compiled_apart  # noqa: E402
 from fastllama import cpu_decode, decode, generate as gen  # noqa: E402
 from fastllama.model import Attention  # noqa: E402
 
@@ -38,7 +40,7 @@ def old_kernel(q, k, v, k_scales, v_scales, mask, scale):
 
 kernels = {rev: old_kernel, "checkout": cpu_decode.decode_attention}
 args = bd.model_arguments("").parse_args(["--checkpoint_path", gguf])
-steps = gen.compiled_steps(dynamic_prefill=True)
+steps = {}  # each model and kernel its own compiled step (compiled_apart)
 models = {}
 for kv in ("bf16", "int8"):
     torch.manual_seed(0)
@@ -53,8 +55,9 @@ def run(model, kernel, depth):
         if isinstance(module, Attention):
             module.decode_kernel = kernel
     token, length = torch.zeros((1, 1), dtype=torch.long), torch.tensor([[depth]])
+    step = steps.setdefault((id(model), kernel), compiled_apart())
     for i in range(steps_a_round):
-        steps.decode_one_token(model, token, length + i, decode.key_positions(model, depth + i + 1))
+        step(model, token, length + i, decode.key_positions(model, depth + i + 1))
 
 
 def position_bytes(model, kv):
