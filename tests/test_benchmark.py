@@ -87,6 +87,20 @@ def eager_everywhere(tmp_path) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
 
 
+def test_compiled_apart_steps_are_the_decode_step_under_code_objects_of_their_own(model_fp32):
+    """benchmark.compiled_apart: each call a decode step whose graphs dynamo keeps apart from every other's
+    (a code object of its own), which computes what decode_one_token computes (run eagerly here)."""
+    from fastllama import decode
+    steps = [benchmark.compiled_apart() for _ in range(2)]
+    codes = [step.__wrapped__._torchdynamo_orig_callable.__code__ for step in steps]
+    assert codes[0] is not codes[1] and all(code is not decode.decode_one_token.__code__ for code in codes)
+    model_fp32.setup_caches(1, 64)
+    token, length, keys = torch.tensor([[1]]), torch.tensor([[0]]), decode.key_positions(model_fp32, 1)
+    with torch.compiler.set_stance("force_eager"), torch.no_grad():
+        expected = decode.decode_one_token(model_fp32, token, length, keys)
+        assert torch.equal(steps[0](model_fp32, token, length, keys), expected)
+
+
 def test_ladder_runs_end_to_end(tmp_path):
     env = eager_everywhere(tmp_path)
     out = tmp_path / "ladder.json"
