@@ -302,6 +302,7 @@ def test_release_frees_what_the_rung_does_not_hold():
     ("benchmark.py", ["--no-hf", "--max_new_tokens", "1"], "--max_new_tokens must be 2 or more"),
     ("benchmark_depths.py", ["--depths", "8100"], "depth 8100 and 128 new tokens exceed the model's context of 8192"),
     ("benchmark_depths.py", ["--depths", "0"], "the deepest above 0"),
+    ("benchmark_depths.py", ["--depths", "16", "--rounds", "0"], "--rounds takes 1 or more"),
     # 9 heads split 3 ways, not int4 groups of 128 over their 576 input columns: said before measuring
     ("benchmark.py", ["--no-hf", "--tp", "3", "--quantized", "int4", "--groupsize", "128"],
      "int4 groups of 128) does not split 3"),
