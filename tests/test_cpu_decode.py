@@ -3,6 +3,9 @@ has: cpu_decode.py changes the products only, never the attention math around th
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,3 +345,19 @@ def test_the_attention_kernels_compute_the_written_out_form(kernel, store, B, n_
             cache[:B, :, :S][unseen[:, None].expand(-1, n_kv, -1)] = float("nan")
         cache[B:] = float("nan")
         assert torch.equal(attention.attend_cache(q, mask), ours)
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
+                    reason="huge pages only where asked for (madvise), as PyTorch's THP_MEM_ALLOC_ENABLE asks")
+def test_importing_the_package_puts_big_cpu_tensors_in_huge_pages():
+    """fastllama sets THP_MEM_ALLOC_ENABLE=1 unless the environment sets it: a 64 MB tensor made after the import
+    lies in huge pages; with THP_MEM_ALLOC_ENABLE=0, in none."""
+    code = ("import fastllama, torch; x = torch.ones(1 << 24); print(next(line.split()[1] for line in "
+            "open('/proc/self/smaps_rollup') if line.startswith('AnonHugePages')))")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    on, off = (int(subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                                  check=True).stdout) for extra in ({}, {"THP_MEM_ALLOC_ENABLE": "0"}))
+    assert on >= 32 * 1024 and off == 0  # kB: half the tensor at least
