@@ -105,8 +105,8 @@ def read_json(path: Path) -> dict:
     return content
 
 
-def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None = None, select=None,
+                     together: Callable[[str], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a safetensors file (floating ones cast to float_dtype) and its metadata.
     select(name, shape), if given, names the pieces of a tensor to read and concatenate, as
     (dim, [(start, stop), ...]), or None for all of it (tensor parallelism keeps its own slice: rows are
@@ -114,7 +114,10 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
 
     Read with plain reads into fresh memory, one tensor at a time, rather than memory-mapped: the
     file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,
-    and mapped pages would count against memory on top of any copy (peak stays the tensors' size)."""
+    and mapped pages would count against memory on top of any copy (peak stays the tensors' size).
+    On CPU the tensors that together(name) names are read into one allocation (views of it, 64-byte
+    aligned): a model of small tensors then lies in huge pages (fastllama/__init__.py), which a decode step
+    streams faster than thousands of 4 KB pages (benchmarks/RESULTS.md, "One allocation for the weights")."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -123,16 +126,24 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
                 raise ValueError("header larger than the file")
             header = json.loads(f.read(header_size))
             metadata = header.pop("__metadata__", None) or {}
-            tensors = {}
+            entries = []  # (name, offset, shape, dtype, pieces), in the file's order
             for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 begin, end = info["data_offsets"]
                 shape, dtype = info["shape"], DTYPES[info["dtype"]]
                 if end - begin != torch.Size(shape).numel() * dtype.itemsize:
                     raise ValueError(f"tensor {name} has the wrong size")
-                offset = 8 + header_size + begin
                 pieces = select(name, tuple(shape)) if select else None
+                entries.append((name, 8 + header_size + begin, shape, dtype, pieces))
+            slots = {}
+            if together and torch.device(device).type == "cpu":
+                kept = lambda dtype: float_dtype if float_dtype and dtype.is_floating_point else dtype  # noqa: E731
+                slots = one_allocation({name: (selected_shape(shape, pieces), kept(dtype))
+                                        for name, _, shape, dtype, pieces in entries if together(name)})
+            tensors = {}
+            for name, offset, shape, dtype, pieces in entries:
+                slot = slots.get(name)
                 if pieces is None:
-                    t = read_tensor(f, offset, shape, dtype)
+                    t = read_tensor(f, offset, shape, dtype, slot if slot is not None and slot.dtype == dtype else None)
                 elif pieces[0] == 0:  # rows lie together in the file: read just ours
                     row_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
                     t = torch.cat([read_tensor(f, offset + a * row_bytes, [b - a, *shape[1:]], dtype)
@@ -142,14 +153,36 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
                     t = torch.cat([whole.narrow(pieces[0], a, b - a) for a, b in pieces[1]], dim=pieces[0])
                 if float_dtype is not None and t.is_floating_point():
                     t = t.to(float_dtype)
+                if slot is not None and t is not slot:
+                    t = slot.copy_(t)
                 tensors[name] = t.to(device)
         return tensors, metadata
     except (ValueError, KeyError, TypeError, struct.error) as e:  # JSON and Unicode errors are ValueErrors
         raise UserError(f"{path} is not a readable safetensors file ({e}); delete it and convert again")
 
 
-def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)  # 64-byte aligned
+def selected_shape(shape: list[int], pieces) -> list[int]:
+    """The shape of a tensor's pieces (read_safetensors' select) put together."""
+    if pieces is None:
+        return shape
+    dim, ranges = pieces
+    return [*shape[:dim], sum(b - a for a, b in ranges), *shape[dim + 1:]]
+
+
+def one_allocation(specs: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Empty tensors of these shapes and dtypes, views of one CPU allocation, each 64 bytes aligned."""
+    sizes = {name: torch.Size(shape).numel() * dtype.itemsize for name, (shape, dtype) in specs.items()}
+    buffer = torch.empty(sum(-(-n // 64) * 64 for n in sizes.values()), dtype=torch.uint8)
+    views, offset = {}, 0
+    for name, (shape, dtype) in specs.items():
+        views[name] = buffer[offset: offset + sizes[name]].view(dtype).view(shape)
+        offset += -(-sizes[name] // 64) * 64
+    return views
+
+
+def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor's bytes at offset, into a tensor of its own (64-byte aligned) or `into`."""
+    t = torch.empty(shape, dtype=dtype) if into is None else into
     f.seek(offset)
     if f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != t.nbytes:
         raise ValueError("the file is truncated")

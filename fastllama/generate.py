@@ -111,7 +111,9 @@ def load_model(checkpoint_path: Path | str | None = None, device: str | None = N
     check_device(device)
     scheme = quantize.read_scheme(read_metadata(checkpoint_path))
     model, select = empty_model(load_config(checkpoint_path), scheme, rank, world_size)
-    state_dict, _ = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select)
+    repacked = quantize.repacked_names(model)  # apart, to be freed as packing goes
+    state_dict, _ = read_safetensors(checkpoint_path, device, PRECISIONS[precision], select,
+                                     together=lambda name: name not in repacked)
     try:
         fill(model, state_dict)
     except RuntimeError as e:

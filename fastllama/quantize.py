@@ -158,6 +158,7 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Groupwise int4. Holds the neutral layout until `pack(kernel)`, then the kernel's layout."""
+    repacked = ("scales", "mins")  # replaced by new tensors in packing; CPU kernels rewrite the weight in place
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
                  dtype=torch.bfloat16, device=None):
@@ -269,6 +270,7 @@ class Int4ExpertLinears(ExpertLinears):
     k/groupsize) as in the file (k padded to whole groups), then each expert packed for the device's
     int4 kernel. A few rows (decoding) each take their expert's packed bytes; rows sorted by expert go
     through each expert's kernel once."""
+    repacked = ("weight", "scales", "mins")  # replaced by new tensors in packing
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, groupsize: int, dtype=torch.bfloat16,
                  device=None):
@@ -598,6 +600,12 @@ def swap_linears(model: Transformer, scheme: Scheme):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, layer_scheme(name, scheme).module(getattr(parent, child)))
+
+
+def repacked_names(model: nn.Module) -> set[str]:
+    """The names of the checkpoint tensors that packing replaces by new tensors (the others it keeps,
+    or rewrites in place)."""
+    return {f"{name}.{buffer}" for name, m in model.named_modules() for buffer in getattr(m, "repacked", ())}
 
 
 def pack_for_device(model: nn.Module, scheme: Scheme | None):

@@ -577,6 +577,41 @@ def test_quantized_load_peak_memory(which, request):
     assert delta <= 1.15 * size + kv_bytes, (delta, size, kv_bytes)
 
 
+def storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_tensors_read_together_are_views_of_one_allocation_with_the_values_read_apart(tmp_path):
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3, 5), "b": torch.randint(0, 255, (7, 4), dtype=torch.uint8),
+               "c": torch.randn(6, 4).bfloat16(), "d": torch.randn(2, 3).bfloat16()}
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, [single(n, t.dtype, t.shape, lambda t=t: t) for n, t in tensors.items()])
+    select = {"a": (0, [(0, 1), (2, 3)]), "c": (1, [(1, 3)])}.get  # rows of a, columns of c (tp.py's pieces)
+    apart, _ = read_safetensors(path, "cpu", torch.bfloat16, lambda name, shape: select(name))
+    together, _ = read_safetensors(path, "cpu", torch.bfloat16, lambda name, shape: select(name),
+                                   together=lambda name: name != "b")
+    assert set(together) == set(apart) == set(tensors)
+    for name in tensors:
+        assert together[name].dtype == apart[name].dtype and torch.equal(together[name], apart[name]), name
+        assert together[name].data_ptr() % 64 == 0, name  # as CPU kernels need them
+    assert together["a"].dtype == torch.bfloat16 and together["c"].shape == (6, 2)
+    assert len(storages(together[n] for n in "acd")) == 1 and storages([together["b"]]).isdisjoint(
+        storages([together["a"]]))
+    on_meta, _ = read_safetensors(path, "meta", together=lambda name: True)  # only CPU tensors share
+    assert all(t.device.type == "meta" for t in on_meta.values())
+
+
+@pytest.mark.parametrize("which", ["bundled_checkpoint", "int8_file", "int4_file"])
+def test_loading_on_cpu_puts_the_weights_packing_keeps_in_one_allocation(which, request):
+    sd = load_model(request.getfixturevalue(which), "cpu", "bf16").state_dict()
+    new = [t for n, t in sd.items() if n.endswith(".scales_and_zeros")]  # made by packing int4
+    kept = {t.data_ptr(): t for n, t in sd.items() if not n.endswith(".scales_and_zeros")}.values()  # tied once
+    assert len(storages(kept)) == 1 and len(storages(new)) == len(new)
+    (storage,) = {t.untyped_storage().nbytes() for t in kept}
+    assert storage == sum(-(-t.nbytes // 64) * 64 for t in kept)  # nothing else: no int4 scales and mins left in it
+
+
 def test_weight_bytes_per_token(bundled_checkpoint, int8_file):
     """What a decode step reads: the tied table once as the bf16 head; once the head is quantized
     apart, the int8 head and not the bf16 table, of which a step reads one row."""
