@@ -116,8 +116,9 @@ def read_safetensors(path: Path, device="cpu", float_dtype: torch.dtype | None =
     file's offsets leave tensors unaligned, which CPU kernels such as _weight_int8pack_mm crash on,
     and mapped pages would count against memory on top of any copy (peak stays the tensors' size).
     On CPU the tensors that together(name) names are read into one allocation (views of it, 64-byte
-    aligned): a model of small tensors then lies in huge pages (fastllama/__init__.py), which a decode step
-    streams faster than thousands of 4 KB pages (benchmarks/RESULTS.md, "One allocation for the weights")."""
+    aligned) that lies in huge pages from end to end (fastllama/__init__.py), where on their own a tensor
+    under 2 MB gets none and a bigger one only the 2 MB ranges it covers whole: a decode step streams
+    the weights faster so (benchmarks/RESULTS.md, "One allocation for the weights")."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
