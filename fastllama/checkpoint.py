@@ -173,12 +173,12 @@ def selected_shape(shape: list[int], pieces) -> list[int]:
 def one_allocation(specs: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, torch.Tensor]:
     """Empty tensors of these shapes and dtypes, views of one CPU allocation, each 64 bytes aligned."""
     sizes = {name: torch.Size(shape).numel() * dtype.itemsize for name, (shape, dtype) in specs.items()}
-    buffer = torch.empty(sum(-(-n // 64) * 64 for n in sizes.values()), dtype=torch.uint8)
-    views, offset = {}, 0
-    for name, (shape, dtype) in specs.items():
-        views[name] = buffer[offset: offset + sizes[name]].view(dtype).view(shape)
-        offset += -(-sizes[name] // 64) * 64
-    return views
+    offsets, end = {}, 0
+    for name, n in sizes.items():
+        offsets[name], end = end, end + -(-n // 64) * 64
+    buffer = torch.empty(end, dtype=torch.uint8)
+    return {name: buffer[offsets[name]: offsets[name] + sizes[name]].view(dtype).view(shape)
+            for name, (shape, dtype) in specs.items()}
 
 
 def read_tensor(f, offset: int, shape: list[int], dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
