@@ -137,37 +137,27 @@ def _(x, weight, scales):
 # enough programs to keep every multiprocessor reading), scales int8/fp8 levels after the product (a
 # score times its key's scale, a probability times its value's), and keeps an online softmax; a second
 # kernel joins the slices. At 32k the 8B's step reads a bf16 cache at 2.85 TB/s this way; its tiles won
-# or tied there (benchmarks/RESULTS.md, "An eighth GPU session").
+# or tied there (benchmarks/RESULTS.md, "An eighth GPU session", "A ninth GPU session").
 ATTENTION_ROWS = 64
 ATTENTION_PROGRAMS = 1024  # programs to aim for at depth: several a multiprocessor, bytes in flight
-
-
-@triton.jit
-def cache_tile(pointers, mask, dtype, BITS: tl.constexpr):
-    """A tile of the cache in the products' dtype: with BITS an int8 cache's levels in fp32 by their bits."""
-    x = tl.load(pointers, mask=mask)
-    if BITS:
-        return exact_float(x.to(tl.int32) + 128) - 128.0  # -128..127 shifted to 0..255 for the conversion
-    return x.to(dtype)
 
 
 @triton.jit
 def attention_slice_kernel(q, k, v, k_scales, v_scales, mask, part, stats, R, T, S, chunk, n_kv, scale,
                            stride_qb, stride_qh, stride_kb, stride_kh, stride_sb, stride_sh, stride_mb, stride_mt,
                            HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           SCALED: tl.constexpr, FP32: tl.constexpr, BITS: tl.constexpr):
+                           SCALED: tl.constexpr, FP32: tl.constexpr):
     """For the keys [chunk * slice, chunk * (slice + 1)) of one row's key/value head: each query row's
     running max m, its sum of exp(score - m) l, and sum of exp(score - m) * value (part, unnormalized).
     Products in q's dtype, or in fp32 with FP32 (an fp32 model; the interpreter, whose bf16 products are
-    wrong). With BITS, an int8 cache's levels become floats by their bits (exact_float), not through the
-    conversion instruction, and the products take tf32 (bf16 queries and the levels exactly)."""
+    wrong)."""
     bh, piece = tl.program_id(0), tl.program_id(1)
     b, h = bh // n_kv, bh % n_kv
     rows, d = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
     live, dims = rows < R, d < HD
     qs = tl.load(q + b * stride_qb + h * stride_qh + rows[:, None] * HD + d[None, :],
                  mask=live[:, None] & dims[None, :], other=0.0)
-    if FP32 or BITS:
+    if FP32:
         qs = qs.to(tl.float32)
     keys = k + b * stride_kb + h * stride_kh
     values = v + b * stride_kb + h * stride_kh
@@ -182,10 +172,10 @@ def attention_slice_kernel(q, k, v, k_scales, v_scales, mask, part, stats, R, T,
         inside = n < end
         seen = tl.load(sees + n[None, :], mask=live[:, None] & inside[None, :], other=0) != 0
         # no `other` for masked loads (fp8 takes none): what they give is masked below, converted first
-        kb = cache_tile(keys + n[:, None] * HD + d[None, :], inside[:, None] & dims[None, :], qs.dtype, BITS)
+        kb = tl.load(keys + n[:, None] * HD + d[None, :], mask=inside[:, None] & dims[None, :]).to(qs.dtype)
         if BLOCK_D != HD:
             kb = tl.where(dims[None, :], kb, 0.0)
-        s = tl.dot(qs, tl.trans(kb), input_precision="ieee" if FP32 else ("tf32" if BITS else None))
+        s = tl.dot(qs, tl.trans(kb), input_precision="ieee" if FP32 else None)
         if SCALED:
             s *= tl.load(k_scales + b * stride_sb + h * stride_sh + n, mask=inside, other=0).to(tl.float32)[None, :]
         s = tl.where(seen, s * scale, float("-inf"))
@@ -194,12 +184,11 @@ def attention_slice_kernel(q, k, v, k_scales, v_scales, mask, part, stats, R, T,
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         # a slot no row sees may hold anything (a stale or never-written value): 0 * NaN would be NaN
-        vb = cache_tile(values + n[:, None] * HD + d[None, :], inside[:, None] & dims[None, :], qs.dtype, BITS)
+        vb = tl.load(values + n[:, None] * HD + d[None, :], mask=inside[:, None] & dims[None, :]).to(qs.dtype)
         vb = tl.where((tl.max(seen.to(tl.int32), 0) > 0)[:, None] & dims[None, :], vb, 0.0)
         if SCALED:
             p *= tl.load(v_scales + b * stride_sb + h * stride_sh + n, mask=inside, other=0).to(tl.float32)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(qs.dtype), vb,
-                                            input_precision="ieee" if FP32 else ("tf32" if BITS else None))
+        acc = acc * alpha[:, None] + tl.dot(p.to(qs.dtype), vb, input_precision="ieee" if FP32 else None)
         m = m_new
     out = (bh * tl.num_programs(1) + piece) * BLOCK_R + rows  # the padding rows' sums are not written
     tl.store(part + out[:, None] * BLOCK_D + d[None, :], acc, mask=live[:, None])
@@ -230,9 +219,8 @@ def attention_slices(programs: int, S: int, block_n: int) -> int:
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None, v_scales: Tensor | None,
            mask: Tensor, scale: float, block_n: int = 64, slices: int | None = None,
-           num_warps: int = 4, num_stages: int = 2, bits: bool = False) -> Tensor:
-    """decode_attention, its tiles and an int8 cache's conversion (bits: exact_float) given: benchmarks try
-    others."""
+           num_warps: int = 4, num_stages: int = 2) -> Tensor:
+    """decode_attention with its tiles given: benchmarks try others."""
     B, n_kv, R, hd = q.shape
     S = mask.shape[-1]
     # the kernel steps through positions' vectors packed one after another, and a scale a position
@@ -253,8 +241,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor | None,
         R, mask.shape[2], S, chunk, n_kv, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_scales.stride(0) if scaled else 0, k_scales.stride(1) if scaled else 0, mask.stride(0), mask.stride(2),
         HD=hd, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SCALED=scaled,
-        FP32=q.dtype == torch.float32 or INTERPRETED, BITS=bits and k_cache.dtype == torch.int8,
-        num_warps=num_warps, num_stages=num_stages)
+        FP32=q.dtype == torch.float32 or INTERPRETED, num_warps=num_warps, num_stages=num_stages)
     y = torch.empty_like(q)
     attention_join_kernel[(B * n_kv, R)](part, stats, y, R, slices, HD=hd, BLOCK_R=block_r, BLOCK_D=block_d,
                                          BLOCK_S=triton.next_power_of_2(slices))

@@ -54,23 +54,3 @@ def test_int8_linear_on_the_triton_kernel_computes_what_dequantizing_does(monkey
         if rows <= kernels.ROWS:
             assert relative_error(compiled(x), expected) < 1e-5, rows
     assert launched == [1, 1, 5, 5]  # eager and compiled, a few rows only
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@torch.no_grad()
-def test_decode_attention_reads_int8_levels_by_their_bits(dtype):
-    """The decode attention kernel's other form for an int8 cache (its levels made floats by their bits, the
-    products in tf32 on a GPU) computes what converting them does."""
-    from fastllama.model import Attention, KVCache, ModelArgs, attention_mask
-
-    torch.manual_seed(0)
-    B, n_kv, group, T, hd, length = 2, 2, 4, 3, 80, 400
-    attention = Attention(ModelArgs(n_head=n_kv * group, n_local_heads=n_kv, head_dim=hd, dim=64))
-    cache = attention.kv_cache = KVCache(B, length, n_kv, hd, dtype, store_dtype=torch.int8)
-    positions = torch.arange(length).expand(B, -1)
-    cache.write(positions, *(torch.randn(B, length, n_kv, hd, dtype=dtype) for _ in "kv"))
-    mask = attention_mask(torch.tensor([[390], [200]]) - torch.arange(T).flip(0), positions)
-    q = torch.randn(B, n_kv, group * T, hd, dtype=dtype)
-    args = (q, cache.k_cache, cache.v_cache, cache.k_scales, cache.v_scales, mask, attention.scale)
-    converted, by_bits = kernels.attend(*args), kernels.attend(*args, bits=True)
-    assert relative_error(by_bits, converted.double()) < (1e-6 if dtype == torch.float32 else 1e-2)

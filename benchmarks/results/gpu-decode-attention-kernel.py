@@ -5,8 +5,9 @@ attention over several layers' caches (more bytes than the L2 holds) is recorded
 of the replays. The written-out form is model.py's attend_cache without a kernel, compiled as the step is
 (it converts a scaled cache to bf16 for cuBLAS). Every form is checked against fp32 attention first. Then
 the kernel's tiles and slice counts at 32k, to choose them (the eighth GPU session's record ran an earlier
-list, with 8-warp tiles, slower everywhere; those now try more keys a block for one-byte caches), and for an
-int8 cache the kernel's other form (bits=True: the levels made floats by their bits, products in tf32).
+list, with 8-warp tiles, slower everywhere; those now try more keys a block for one-byte caches). The ninth
+session's record also timed a form since dropped, an int8 cache's levels made floats by their bits with tf32
+products: 1.5-1.6x slower.
 
     python benchmarks/results/gpu-decode-attention-kernel.py [--layers 4] [--replays 20] [--no-tiles]
 """
@@ -89,15 +90,10 @@ def main():
                     getattr(a.kv_cache, "k_scales", None), getattr(a.kv_cache, "v_scales", None), mask, a.scale,
                     **tiles).view(1, N_KV * GROUP, T, HD)
                 forms = {"written, compiled": written, "kernel": kernel}
-                if store == torch.int8:  # its levels made floats by their bits, products in tf32
-                    forms["kernel, int8 by bits"] = lambda a: kernel(a, bits=True)
                 if S == 32768 and not args.no_tiles:
                     forms.update({f"kernel {n}x{w}w{s}s": lambda a, n=n, w=w, s=s: kernel(
                         a, block_n=n, num_warps=w, num_stages=s) for n, w, s in TILES})
                     forms.update({f"kernel, {c} slices": lambda a, c=c: kernel(a, slices=c) for c in (64, 256)})
-                    if store == torch.int8:
-                        forms.update({f"kernel {n}x{w}w{s}s, by bits": lambda a, n=n, w=w, s=s: kernel(
-                            a, block_n=n, num_warps=w, num_stages=s, bits=True) for n, w, s in TILES[1:5]})
                 for name, form in forms.items():
                     try:
                         error = ((form(attentions[0]).float() - exact).abs().max() / exact.abs().max()).item()
