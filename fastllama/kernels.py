@@ -42,11 +42,13 @@ def configs(block_m: int) -> list[triton.Config]:
     sums are fp32 multiply-adds, their block_m x BLOCK_N x BLOCK_K partial sums kept in registers (about 64
     a thread) and summed over K once, at the end; with DOT on, tensor-core products (tf32) of the rows
     padded to 16. Those kept won on some shape (benchmarks/RESULTS.md, "A sixth GPU session": its raw
-    record has every tile's time)."""
+    record has every tile's time). The tensor-core tiles 16 outputs wide are not yet timed: at 32, a weight
+    of 4,096 outputs gives 128 programs, fewer than an H100's or H200's 132 multiprocessors, and int8's
+    verify step costs 1.35x a plain one ("A ninth GPU session")."""
     fma = {1: [(16, 512), (8, 1024)], 2: [(16, 256), (8, 512)], 4: [(8, 256), (16, 128)], 8: [(8, 128)]}[block_m]
     return ([triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": False}, num_warps=4, num_stages=1) for n, k in fma]
-            + [triton.Config({"BLOCK_N": 32, "BLOCK_K": k, "DOT": True}, num_warps=4, num_stages=s)
-               for k, s in ((128, 4), (256, 3))])
+            + [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": True}, num_warps=4, num_stages=s)
+               for n, k, s in ((32, 128, 4), (32, 256, 3), (16, 256, 3), (16, 512, 3))])
 
 
 @triton.jit

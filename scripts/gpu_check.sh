@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks for a lent GPU, each part sized for one call (at most 9 minutes, compiles included; what
-# each took when it ran is in benchmarks/RESULTS.md). Next, after the eighth GPU session: verify (its int8 and
-# int4 lines), attention (int8 levels by their bits, tiles for one-byte caches), KV=fp8 DEPTHS="0 32768" depths,
-# then peers again; then serve (issue 48, never run yet). The parts:
+# each took when it ran is in benchmarks/RESULTS.md). Next, after the ninth GPU session: VERIFY="int8 int4"
+# verify (int8 with kernels.py's tiles 16 outputs wide, int4 never run), weights (those tiles at 6 rows), serve
+# (issue 48, never run yet), KV=fp8 DEPTHS="0 32768" depths, then peers again. The parts:
 #   bash scripts/gpu_check.sh peers [LIMIT]          the 8B (random weights, 128-token prompt, 256 new tokens,
 #                                                    median of 5): our bf16, int8 and int4 g32 beside gpt-fast's,
 #                                                    run from .peers/gpt-fast (a copy of ../shared/peers/gpt-fast,
