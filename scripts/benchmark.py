@@ -523,12 +523,12 @@ class Foreseen(speculative.Drafter):
 @torch.no_grad()
 def speculative_main(args):
     """What a verify step costs against a plain step (--verify-cost: --precision's model, int8, int4),
-    and (unless --verify-only) plain decoding against each drafter, compiled, on real prompts: acceptance and
-    speedup, greedy and at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen): the most a drafter can
-    give. With --model (random weights) the prompt is --prompt_length random tokens, and foreseen is the
-    one drafter (the others' acceptance needs real weights). The target's verify cost comes first, then
-    the decoding, which runs the same graphs, then the quantized models' verify costs (each compiles its
-    own): a GPU call that runs out of time has the most in its record."""
+    and (unless --verify-only) plain decoding against each drafter, compiled, on real prompts: acceptance
+    and speedup, greedy and at each of --temperatures. Greedy, the drafters include "foreseen" (Foreseen):
+    the most a drafter can give. With --model (random weights) the prompt is --prompt_length random
+    tokens, and foreseen is the one drafter (the others' acceptance needs real weights). The target's
+    verify cost comes first, then the decoding, which runs the same graphs, then the quantized models'
+    verify costs (each compiles its own): a GPU call that runs out of time has the most in its record."""
     model = load(args)
     steps = gen.compiled_steps()
     # a graph per model, cache length and sampling setting: more than dynamo's default of 8 a function

@@ -239,7 +239,6 @@ def test_speculative_on_random_weights_measures_verify_steps_and_drafts_all_righ
     assert foreseen["accepted_counts"] == [0] * 5 + [4] and foreseen["plain_steps"] == 0, foreseen
 
 
-
 def test_speculative_verify_only_times_the_verify_steps_it_is_given(tmp_path):
     """--verify-cost picks whose verify steps are timed, and --verify-only leaves out the decoding: what a
     short GPU call runs when the others are measured already."""
@@ -251,6 +250,7 @@ def test_speculative_verify_only_times_the_verify_steps_it_is_given(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert [row["verify_cost"] for row in json.loads(out.read_text())["rows"]] == ["int8"]
     assert "drafter" not in run.stdout
+
 
 def test_apart_ladder_runs_end_to_end(tmp_path):
     """--apart: a child process a compiled rung, each measured in every round, the rows in the table's order."""
