@@ -131,7 +131,7 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
     group = attention.n_head // attention.n_local_heads
     compiling = torch.compiler.is_compiling()
     few_keys = not compiling and S <= SHORT_ATTENTION_KEYS
-    few_rows = compiling and statically_known_true(group * T <= ATTENTION_ROWS)
+    few_rows = compiling and known_count(group * T, ATTENTION_ROWS)
     if T == 1 or attention.softcap is not None or few_keys or few_rows:
         return "written"
     return "folded" if group > 1 and statically_known_true(T <= FOLDED_ATTENTION_POSITIONS) else "fused"
@@ -227,7 +227,7 @@ def attention_product(a: Tensor, b: Tensor) -> Tensor:
     if not torch.compiler.is_compiling():
         return torch.matmul(a, b)
     m, k = a.shape[-2:]
-    if statically_known_true(m <= ATTENTION_ROWS):  # not a symbolic count (prefill of any length): no guard
+    if known_count(m, ATTENTION_ROWS):
         # the values lie in memory as rows of head_dim, the keys come transposed. A read of a number of
         # slots that is not whole blocks (a cache cut at the context's end) gets a graph of its own.
         if b.stride(-1) == 1 and k % VALUE_BLOCK == 0:
@@ -255,10 +255,11 @@ CONVERTED_ELEMENTS = 1 << 22
 def matmul_dtype(x: Tensor) -> torch.dtype:
     """The dtype in which x (..., k) is multiplied by a weight: fp32 for MANY_ROWS or more bf16 rows
     on a CPU without native bf16 matmuls, x's own otherwise."""
-    rows = x.shape[:-1].numel()  # symbolic in prefill compiled for any length: many rows
-    many = not isinstance(rows, int) or rows >= MANY_ROWS
     slow = SLOW_BF16_MATMUL and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    return torch.float32 if slow and many else x.dtype
+    # a symbolic count (prefill compiled for any length, any number of prompts) is many rows, and is not
+    # asked: a guard on it would bound the count (dynamo takes it for an int), split prefill's one graph
+    # at MANY_ROWS and, so bounded, make a batch of prompts' last positions a few rows of each count
+    return torch.float32 if slow and not statically_known_true(x.shape[:-1].numel() < MANY_ROWS) else x.dtype
 
 
 def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -272,11 +273,17 @@ def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None
     return torch.cat([F.linear(x, w.to(dtype), b) for w, b in zip(blocks, biases)], dim=-1)
 
 
+def known_count(n, limit: int) -> bool:
+    """Whether the count n (an int, or one of a compiled forward's sizes) is known when compiling, and at
+    most limit. A symbolic count (prefill compiled for any length and number of prompts) is not, even where
+    the shapes bound it (a batch of prompts by the cache's rows), and is never asked: a guard on it would give
+    each count a graph of its own (dynamo takes a symbolic count for an int)."""
+    return statically_known_true(n <= limit) and any([statically_known_true(n == i) for i in range(limit + 1)])
+
+
 def compiling_few_rows(x: Tensor) -> bool:
-    """Whether x (..., k) is a few rows in compiled code. A symbolic row count (prefill compiled for
-    any length) is not, and must not be asked: a guard on it would give chunks of a few rows a graph
-    of their own (dynamo takes a symbolic count for an int)."""
-    return torch.compiler.is_compiling() and statically_known_true(x.shape[:-1].numel() <= FEW_ROWS)
+    """Whether x (..., k) is a few rows in compiled code, a count known there (known_count)."""
+    return torch.compiler.is_compiling() and known_count(x.shape[:-1].numel(), FEW_ROWS)
 
 
 # oneDNN's bf16 kernels, which read a weight packed in their own layout (mkldnn._reorder_linear_weight)

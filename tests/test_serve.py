@@ -169,7 +169,8 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
     packed weights where oneDNN has bf16 kernels): steps of each row count at other positions, a step
     carrying a chunk, prompts prefilled together of other counts and lengths (and from a shared beginning),
     and one alone: not one graph compiled again (the output head's product over a batch's last positions
-    asked whether it had 2 rows, and compiled each count of prompts again)."""
+    asked whether it had 2 rows, and compiled each count of prompts again; without AVX-512 a prompt's length
+    was asked whether it reached cpu_decode.MANY_ROWS, and a bound on the batch followed)."""
     torch._dynamo.reset()  # past the recompile limit (other tests' models) dynamo would run it eagerly, unasked
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, dim=32, n_head=4, n_local_heads=2, block_size=128))
@@ -178,7 +179,7 @@ def test_after_warming_a_compiled_engine_compiles_nothing():
     engine = serve.Engine(model, 3, 64, compiled_steps(dynamic_prefill=True), join_chunk=4)
     engine.warm()
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):  # as Scheduler.run
-        for prompts in ([[1] * 7] * 3, [[2] * 5, [3] * 9], [[4] * 6], [[5] * 3] * 3):
+        for prompts in ([[1] * 7] * 3, [[2] * 5, [3] * 9], [[4] * 6], [[5] * 3] * 3, [[7] * 20]):
             engine.prefill(prompts, False)
         engine.prefill([[6] * 8 + [i] * 3 for i in range(3)], False, 8)  # a shared beginning first
         for rows in (1, 2, 3):
