@@ -252,14 +252,40 @@ SLOW_BF16_MATMUL = torch.backends.mkldnn.is_available() and not torch.ops.mkldnn
 CONVERTED_ELEMENTS = 1 << 22
 
 
-def matmul_dtype(x: Tensor) -> torch.dtype:
-    """The dtype in which x (..., k) is multiplied by a weight: fp32 for MANY_ROWS or more bf16 rows
-    on a CPU without native bf16 matmuls, x's own otherwise."""
-    slow = SLOW_BF16_MATMUL and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    # a symbolic count (prefill compiled for any length, any number of prompts) is many rows, and is not
-    # asked: a guard on it would bound the count (dynamo takes it for an int), split prefill's one graph
-    # at MANY_ROWS and, so bounded, make a batch of prompts' last positions a few rows of each count
-    return torch.float32 if slow and not statically_known_true(x.shape[:-1].numel() < MANY_ROWS) else x.dtype
+def matmul_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype in which x (..., k) is multiplied by a weight: fp32 for MANY_ROWS or more bf16 rows on a CPU
+    without native bf16 matmuls, x's own otherwise. None where that turns on a count compiled code has symbolic
+    (prefill's, compiled for any length and number of prompts), which is not asked (known_count says why)."""
+    if not (SLOW_BF16_MATMUL and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return x.dtype
+    rows = x.shape[:-1].numel()
+    if statically_known_true(rows >= MANY_ROWS):
+        return torch.float32
+    return x.dtype if statically_known_true(rows < MANY_ROWS) else None
+
+
+def linear_for_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight) (times per-output scales, plus bias) in x's dtype, multiplied in matmul_dtype
+    (linear_in). Where compiled code cannot know that dtype (a symbolic count of rows), through an op that
+    chooses when it runs: so a short prompt keeps bf16's speed, and prefill one graph for every length."""
+    dtype = matmul_dtype(x)
+    if dtype is None:
+        return chosen_when_run(x, weight, bias, scales)
+    if scales is None:
+        return linear_in(dtype, x, weight, bias).to(x.dtype)
+    y = linear_in(dtype, x, weight) * scales
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+@torch.library.custom_op("fastllama::linear_for_rows", mutates_args=())
+def chosen_when_run(x: Tensor, weight: Tensor, bias: Tensor | None, scales: Tensor | None) -> Tensor:
+    """linear_for_rows as an op, opaque to compiled code: it runs with the count known."""
+    return linear_for_rows(x, weight, bias, scales)
+
+
+@chosen_when_run.register_fake
+def _(x, weight, bias, scales):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def linear_in(dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -306,7 +332,7 @@ if PACKABLE:
 
 class FewRowLinear(nn.Linear):
     """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
-    rows runs in matmul_dtype (same weights, another forward). Once pack() has made a copy of the weight
+    rows runs in matmul_dtype (linear_for_rows; same weights, another forward). Once pack() has made a copy of the weight
     for a kernel, a bf16 product reads it: in tiles, one of at most TILE_ROWS rows; in oneDNN's layout,
     every one but a compiled one of at most LOOP_ROWS rows."""
 
@@ -336,7 +362,7 @@ class FewRowLinear(nn.Linear):
         if few:
             y = few_rows_product(x, self.weight)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
-        return linear_in(matmul_dtype(x), x, self.weight, self.bias).to(x.dtype)
+        return linear_for_rows(x, self.weight, self.bias)
 
     def packed_is_current(self) -> bool:
         """Whether there is a packed copy, made from the weight as it is now (one replaced or written in

@@ -36,7 +36,7 @@ from torch import Tensor
 from .checkpoint import (Group, Spec, copy_companions, load_config, read_metadata, resolve_checkpoint, resolve_output,
                         single, write_safetensors)
 from . import cpu_decode
-from .cpu_decode import compiling_few_rows, few_rows_product, linear_in, matmul_dtype
+from .cpu_decode import compiling_few_rows, few_rows_product, linear_for_rows
 from .errors import UserError, run_cli
 from .model import KVCache, ModelArgs, Rows, Transformer, TransformerBlock, attention_mask, rope_tables
 from .moe import ExpertLinears
@@ -152,7 +152,7 @@ class Int8Linear(nn.Module):
         elif self.kernel in ("dequantize", "triton"):
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         else:
-            y = linear_in(matmul_dtype(x), x, self.weight) * self.scales
+            return linear_for_rows(x, self.weight, self.bias, self.scales)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 

@@ -129,6 +129,27 @@ def test_many_bf16_rows_multiply_in_fp32_where_bf16_is_slow(monkeypatch, slow_bf
     assert (y.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
 
 
+@torch.no_grad()
+def test_compiled_for_any_count_of_rows_the_product_chooses_its_dtype_when_it_runs(monkeypatch):
+    """Compiled for any length (prefill), a bf16 linear where bf16 is slow multiplies each call's rows in the
+    dtype its count asks, in one graph: the count is not asked while compiling (a guard would split the graph,
+    and bound the count), nor taken for many (a short prompt would lose bf16's speed)."""
+    monkeypatch.setattr(cpu_decode, "SLOW_BF16_MATMUL", True)
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
+    cpu_decode.apply(linear)
+    dtypes, linear_op = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *w: dtypes.append(x.dtype) or linear_op(x, *w))
+    step = torch.compile(linear, dynamic=True, fullgraph=True)
+    for rows in (20, 3, 40):
+        x = torch.randn(1, rows, 64).bfloat16()
+        with torch._dynamo.config.patch(error_on_recompile=rows != 20):
+            y = step(x)
+        expected = linear_op(x.float(), linear.weight.float(), linear.bias.float())
+        assert (y.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+    assert dtypes == [torch.float32, torch.bfloat16, torch.float32]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_in_converts_the_weight_in_blocks(monkeypatch, bias):
     """linear_in gives F.linear's result when it converts a weight block by block (blocks of 3 rows
