@@ -71,6 +71,9 @@ TILE_ROWS = 128
 # From this many rows a bf16 product runs in fp32 on a CPU without native bf16 matmuls (matmul_dtype):
 # where fp32 overtakes bf16 (benchmarks/RESULTS.md, "CPUs without AVX-512").
 MANY_ROWS = 16
+# An int8 product of at most this many rows takes PyTorch's int8 kernel where ours is not built (quantize.Int8Linear);
+# more rows (prefill) a matmul of the weight converted a block at a time, where that kernel is slower
+INT8_KERNEL_ROWS = 16
 # A compiled attention product of at most this many rows a key/value head (its query heads, times a
 # verify step's positions) is written out, reading each key once for all of them (attention_path).
 ATTENTION_ROWS = 16
@@ -264,16 +267,30 @@ def matmul_dtype(x: Tensor) -> torch.dtype | None:
     return x.dtype if statically_known_true(rows < MANY_ROWS) else None
 
 
+def product_form(x: Tensor, weight: Tensor) -> str | torch.dtype | None:
+    """How linear_for_rows multiplies x (..., k) by weight: "int8" (PyTorch's int8 kernel, for up to
+    INT8_KERNEL_ROWS rows of an int8 weight), or a matmul's dtype (matmul_dtype). None where that turns on a
+    count compiled code has symbolic (prefill's), which is not asked (known_count says why)."""
+    rows = x.shape[:-1].numel()
+    if weight.dtype == torch.int8 and not statically_known_true(rows > INT8_KERNEL_ROWS):
+        return "int8" if statically_known_true(rows <= INT8_KERNEL_ROWS) else None
+    return matmul_dtype(x)
+
+
 def linear_for_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight) (times per-output scales, plus bias) in x's dtype, multiplied in matmul_dtype
-    (linear_in). Where compiled code cannot know that dtype (a symbolic count of rows), through an op that
-    chooses when it runs: so a short prompt keeps bf16's speed, and prefill one graph for every length."""
-    dtype = matmul_dtype(x)
-    if dtype is None:
+    """F.linear(x, weight) (times per-output scales, plus bias) in x's dtype, in the form its count of rows asks
+    (product_form). Where compiled code cannot know the form, through an op that chooses when it runs: so a short
+    prompt keeps its speed, and prefill one graph for every length."""
+    form = product_form(x, weight)
+    if form is None:
         return chosen_when_run(x, weight, bias, scales)
-    if scales is None:
-        return linear_in(dtype, x, weight, bias).to(x.dtype)
-    y = linear_in(dtype, x, weight) * scales
+    if form == "int8":
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight, scales)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+    elif scales is None:
+        return linear_in(form, x, weight, bias).to(x.dtype)
+    else:
+        y = linear_in(form, x, weight) * scales
     return (y if bias is None else y + bias).to(x.dtype)
 
 

@@ -48,9 +48,6 @@ except ImportError:
     kernels = None
 
 GROUPSIZES = (32, 64, 128, 256)
-# Int8Linear on CPU: products of up to this many rows (decoding, a verify step) take PyTorch's int8 kernel;
-# products of more (prefill) a matmul of the weight converted a block at a time, where the kernel is slower
-CPU_INT8_KERNEL_ROWS = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,16 +140,13 @@ class Int8Linear(nn.Module):
             y = y.view(*x.shape[:-1], self.out_features) * self.scales
         elif self.kernel == "cpu-fused" and compiling_few_rows(x):
             y = few_rows_product(x, self.weight) * self.scales  # int8 converted in registers
-        elif self.kernel in ("cpu", "cpu-fused") and rows <= CPU_INT8_KERNEL_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight, self.scales)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif self.kernel in ("cpu", "cpu-fused"):  # PyTorch's int8 kernel, or for many rows a matmul
+            return linear_for_rows(x, self.weight, self.bias, self.scales)
         elif self.kernel == "triton" and rows <= kernels.ROWS:
             y = kernels.int8_rows(x.reshape(rows, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        elif self.kernel in ("dequantize", "triton"):
+        else:  # "dequantize", or "triton" for many rows
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
-        else:
-            return linear_for_rows(x, self.weight, self.bias, self.scales)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx
 
-from fastllama import cpu_decode
+from fastllama import cpu_decode, quantize
 from fastllama.model import Attention, KVCache, ModelArgs, Transformer, attention_mask
 
 # Each variant changes what a decode step computes. Add a row with every new one: compiled decoding
@@ -129,25 +129,36 @@ def test_many_bf16_rows_multiply_in_fp32_where_bf16_is_slow(monkeypatch, slow_bf
     assert (y.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
 @torch.no_grad()
-def test_compiled_for_any_count_of_rows_the_product_chooses_its_dtype_when_it_runs(monkeypatch):
-    """Compiled for any length (prefill), a bf16 linear where bf16 is slow multiplies each call's rows in the
-    dtype its count asks, in one graph: the count is not asked while compiling (a guard would split the graph,
-    and bound the count), nor taken for many (a short prompt would lose bf16's speed)."""
+def test_compiled_for_any_count_of_rows_a_product_chooses_its_form_when_it_runs(monkeypatch, weights):
+    """Compiled for any length (prefill), a linear whose form turns on its count of rows (bf16 where bf16 is
+    slow: fp32 for many rows; int8 without our kernel: PyTorch's int8 kernel for a few) takes the form each
+    call's count asks, in one graph: the count is not asked while compiling (a guard would split the graph,
+    and bound the count), nor taken for many (a short prompt would lose the few rows' speed)."""
     monkeypatch.setattr(cpu_decode, "SLOW_BF16_MATMUL", True)
     torch._dynamo.reset()
-    linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
-    cpu_decode.apply(linear)
-    dtypes, linear_op = [], torch.nn.functional.linear
+    if weights == "bf16":
+        linear = torch.nn.Linear(64, 48, bias=True).bfloat16()
+        cpu_decode.apply(linear)
+        weight = linear.weight.float()
+    else:
+        linear = quantize.Int8Linear(64, 48, bias=True)
+        linear.weight, linear.scales = quantize.quantize_int8(torch.randn(48, 64))
+        linear.bias.normal_()
+        linear.pack("cpu")
+        weight = linear.weight.float() * linear.scales.float()[:, None]
+    dtypes, linear_op = [], torch.nn.functional.linear  # the dtype each matmul ran in
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *w: dtypes.append(x.dtype) or linear_op(x, *w))
     step = torch.compile(linear, dynamic=True, fullgraph=True)
     for rows in (20, 3, 40):
         x = torch.randn(1, rows, 64).bfloat16()
         with torch._dynamo.config.patch(error_on_recompile=rows != 20):
             y = step(x)
-        expected = linear_op(x.float(), linear.weight.float(), linear.bias.float())
+        expected = linear_op(x.float(), weight, linear.bias.float())
         assert (y.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
-    assert dtypes == [torch.float32, torch.bfloat16, torch.float32]
+    # an int8 weight's 3 rows went through the int8 kernel, and no matmul
+    assert dtypes == ([torch.float32, torch.bfloat16, torch.float32] if weights == "bf16" else [torch.float32] * 2)
 
 
 @pytest.mark.parametrize("bias", [True, False])
