@@ -349,9 +349,9 @@ if PACKABLE:
 
 class FewRowLinear(nn.Linear):
     """nn.Linear whose compiled forward of a few rows is few_rows_product, and whose product of many
-    rows runs in matmul_dtype (linear_for_rows; same weights, another forward). Once pack() has made a copy of the weight
-    for a kernel, a bf16 product reads it: in tiles, one of at most TILE_ROWS rows; in oneDNN's layout,
-    every one but a compiled one of at most LOOP_ROWS rows."""
+    rows runs in matmul_dtype (linear_for_rows; same weights, another forward). Once pack() has made a
+    copy of the weight for a kernel, a bf16 product reads it: in tiles, one of at most TILE_ROWS rows; in
+    oneDNN's layout, every one but a compiled one of at most LOOP_ROWS rows."""
 
     packed: Tensor | None = None  # the weight again: in cpu_linear.cpp's tiles or in oneDNN's layout (pack())
     packed_from: tuple | None = None  # the weight it was made from: (storage address, version)

@@ -116,7 +116,7 @@ class Int8Linear(nn.Module):
     AVX-512 BF16, cpu_linear.cpp's for any number of rows, over the weight laid out in its tiles
     ("cpu-avx512"); on other CPUs PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum
     that compiled code fuses (cpu_decode.py), and for many rows (prefill), where those are slower, a matmul of
-    the weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_in); on
+    the weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_for_rows); on
     a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized matmul."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
