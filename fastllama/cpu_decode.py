@@ -144,8 +144,8 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
-# ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
-# PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to the compiled loop, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy
+# ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16 or AVX2: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
+# PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to quantize.int8_kernel's other forms, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy
 # to oneDNN's
 USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
 USE_INT8_KERNEL = os.environ.get("FASTLLAMA_INT8_KERNEL", "1") != "0"
@@ -153,12 +153,12 @@ USE_BF16_KERNEL = os.environ.get("FASTLLAMA_BF16_KERNEL", "1") != "0"
 
 
 @functools.cache
-def built(name: str, what: str) -> bool:
+def built(name: str, what: str, capabilities: tuple = ("AVX512", "AMX")) -> bool:
     """Whether the kernels of fastllama/{name}.cpp are built and registered (torch.ops.fastllama): at first
-    use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs with
-    AVX-512. Where one cannot be built (another CPU, no C++ compiler or ninja), PyTorch's own form of `what`
-    serves, said in one line."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs of
+    `capabilities` (PyTorch's names). Where one cannot be built (another CPU, no C++ compiler or ninja),
+    PyTorch's own form of `what` serves, said in one line."""
+    if torch.backends.cpu.get_cpu_capability() not in capabilities:
         return False
     try:
         from torch.utils import cpp_extension
@@ -191,9 +191,9 @@ def decode_attention(q, k, v, k_scales, v_scales, mask, scale):
 
 @functools.cache
 def linear_kernels() -> bool:
-    """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16): torch.ops.fastllama.bf16_rows,
-    int8_rows and int4_rows."""
-    if not torch.cpu._is_avx512_bf16_supported() or not built("cpu_linear", "bf16, int8 and int4 products"):
+    """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16, or AVX2 with FMA and F16C):
+    torch.ops.fastllama.bf16_rows, int8_rows and int4_rows."""
+    if not built("cpu_linear", "bf16, int8 and int4 products", ("AVX2", "AVX512", "AMX")):
         return False
     torch.library.register_fake("fastllama::bf16_rows")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
@@ -218,8 +218,11 @@ def int8_kernel():
 
 
 def bf16_kernel():
-    """torch.ops.fastllama.bf16_rows, or None where it is not built (pack() then makes oneDNN's copies)."""
-    return torch.ops.fastllama.bf16_rows if USE_BF16_KERNEL and linear_kernels() else None
+    """torch.ops.fastllama.bf16_rows, or None where it is not built (pack() then makes oneDNN's copies), and on
+    CPUs without AVX-512 BF16: there bf16_linear's products of many rows would run in bf16, where fp32 is several
+    times faster (matmul_dtype)."""
+    ok = USE_BF16_KERNEL and torch.cpu._is_avx512_bf16_supported() and linear_kernels()
+    return torch.ops.fastllama.bf16_rows if ok else None
 
 
 def attention_product(a: Tensor, b: Tensor) -> Tensor:

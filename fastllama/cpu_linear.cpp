@@ -1,7 +1,7 @@
-// Weight-only products of our own on CPUs with AVX-512 BF16: y = x w^T for a few rows of x (bf16), with the
-// weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds a
-// pair of inputs' products for all 16: 32 products an instruction, each weight element read once for all the
-// rows of a pass. A pass serves up to MAX_ROWS rows; more rows take more passes, over a group of tiles still in
+// Weight-only products of our own on CPUs with AVX-512 BF16 or AVX2: y = x w^T for a few rows of x (bf16), with
+// the weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds
+// a pair of inputs' products for all 16: 32 products an instruction, each weight element read once for all the
+// rows of a pass (with AVX2, four fused multiply-adds; the vector operations below say how). A pass serves up to MAX_ROWS rows; more rows take more passes, over a group of tiles still in
 // cache. Each row's sums are added in one order whatever the other rows, so that a row's numbers are the same
 // alone and in a batch (generate.py's promise in fp32).
 //
@@ -14,12 +14,13 @@
 // int8 (int8_rows): quantize.Int8Linear's levels laid out in the same tiles as bf16's, in place, and converted to
 // bf16 as read; its scales applied by the caller. At one row it reads the weight 1.8x faster than the loop compiled
 // code makes, and at 512 rows it is about as fast as a bf16 matmul of the converted weight (benchmarks/RESULTS.md,
-// "Int8 products of our own on CPU"), so prefill takes it too, and the plain layout is not kept.
+// "Int8 products of our own on CPU"; with AVX2, "Products of our own on AVX2": faster than PyTorch's int8 kernel
+// and a matmul in fp32 up to 256 rows, a prefill chunk), so prefill takes it too, and the plain layout is not kept.
 //
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
 // rows (prefill), 1.5x at six (a verify step) and about the same at one (benchmarks/RESULTS.md, "Int4 products
-// of our own on CPU"). A level becomes a bf16 number without a conversion: 0x4300 | q is 128 + q exactly, so a
+// of our own on CPU"; with AVX2, 1.3-1.6x at every count). A level becomes a bf16 number without a conversion: 0x4300 | q is 128 + q exactly, so a
 // block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s) sum x, the sums of x a block
 // computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
 // and two bit operations unpack 64 of them.
@@ -32,21 +33,117 @@
 #include <algorithm>
 #include <vector>
 
-#ifndef __AVX512BF16__
-#error "cpu_linear.cpp needs AVX-512 BF16 (-march=native on a CPU that has it)"
-#endif
-
 namespace {
 
-constexpr int64_t TILE = 16;  // outputs a vector holds, one a lane
+constexpr int64_t TILE = 16;  // outputs a tile holds, one a lane
 constexpr int TILES = 4;      // tiles computed together (a group), so that the sums' chains overlap
 
+// The few vector operations the kernels below are written in, for two kinds of CPU. With AVX-512 BF16 a Vec of
+// 16 fp32 sums is one register, and one vdpbf16ps adds a pair of inputs' products for all 16 outputs. With AVX2
+// (and FMA, F16C) a Vec is two registers of 8, and a pair's weights are split into the first and the second input's
+// as fp32 (a bf16 number is the top half of an fp32 one), each multiplied in by one fused multiply-add: the same
+// products, each exact in fp32, and sums rounded as often.
+#if defined(__AVX512BF16__)
+using Vec = __m512;
+using Pairs = __m512bh;  // 16 outputs' weights for an input pair (output i's at 2i, 2i + 1)
+using XPair = __m512bh;  // a row's input pair, for every lane
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec set1(float a) { return _mm512_set1_ps(a); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline XPair x_pair(uint32_t bits) { return (XPair)_mm512_set1_epi32(int(bits)); }
+inline Vec dot(Vec acc, Pairs w, XPair x) { return _mm512_dpbf16_ps(acc, w, x); }
+
 // 16 numbers as fp32: scales or mins, in the dtype the checkpoint holds them in (exact), or x
-inline __m512 load16(const at::BFloat16* p) {
+inline Vec load16(const at::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline float sum32(const at::BFloat16* p) { return _mm512_reduce_add_ps(_mm512_add_ps(load16(p), load16(p + 16))); }
+
+inline Pairs pair_weights(const at::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
+inline Pairs pair_weights(const int8_t* p) {  // int8 levels converted to bf16 as read, exactly (8 significant bits)
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+// 32 bytes of 4-bit levels, two input pairs' (the low nibbles the first pair's, the high the second's), as bf16
+// numbers 128 + q without a conversion: 0x4300 | q is 128 + q exactly
+inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {
+  const __m512i low = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  first = (Pairs)_mm512_ternarylogic_epi32(raw, low, bias, 0xEA);  // (raw & low) | bias
+  second = (Pairs)_mm512_or_si512(_mm512_srli_epi16(raw, 4), bias);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec {
+  __m256 lo, hi;  // outputs 0-7, 8-15
+};
+struct Pairs {
+  __m256 first[2], second[2];  // each input's weights for outputs 0-7 and 8-15
+};
+struct XPair {
+  __m256 first, second;
+};
+
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+
+// bf16 pairs (32 bits each: the first number in the low half) as each one's fp32 numbers
+inline __m256 first_of(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 second_of(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+inline XPair x_pair(uint32_t bits) {
+  const __m256i all = _mm256_set1_epi32(int(bits));
+  return {first_of(all), second_of(all)};
+}
+inline Vec dot(Vec acc, const Pairs& w, const XPair& x) {
+  return {_mm256_fmadd_ps(w.second[0], x.second, _mm256_fmadd_ps(w.first[0], x.first, acc.lo)),
+          _mm256_fmadd_ps(w.second[1], x.second, _mm256_fmadd_ps(w.first[1], x.first, acc.hi))};
+}
+inline Pairs split(__m256i lo, __m256i hi) { return {{first_of(lo), first_of(hi)}, {second_of(lo), second_of(hi)}}; }
+
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline Vec load16(const at::BFloat16* p) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(p)), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(p + 8)), 16))};
+}
+inline Vec load16(const at::Half* p) { return {_mm256_cvtph_ps(load128(p)), _mm256_cvtph_ps(load128(p + 8))}; }
+inline float sum32(const at::BFloat16* p) {
+  const Vec a = load16(p), b = load16(p + 16);
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline Pairs pair_weights(const at::BFloat16* p) {
+  return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+}
+inline Pairs pair_weights(const int8_t* p) {  // int8 levels as fp32: each 16-bit half sign-extended, converted
+  Pairs w;
+  for (int h = 0; h < 2; h++) {
+    const __m256i wide = _mm256_cvtepi8_epi16(load128(p + 16 * h));
+    w.first[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wide, 16), 16));
+    w.second[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(wide, 16));
+  }
+  return w;
+}
+inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {  // as AVX-512's, 16 bytes at a time
+  const __m256i low = _mm256_set1_epi16(0x0F), bias = _mm256_set1_epi16(0x4300);
+  const __m256i raw0 = _mm256_cvtepu8_epi16(load128(p)), raw1 = _mm256_cvtepu8_epi16(load128(p + 16));
+  first = split(_mm256_or_si256(_mm256_and_si256(raw0, low), bias), _mm256_or_si256(_mm256_and_si256(raw1, low), bias));
+  second = split(_mm256_or_si256(_mm256_srli_epi16(raw0, 4), bias), _mm256_or_si256(_mm256_srli_epi16(raw1, 4), bias));
+}
+#else
+#error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (-march=native on a CPU that has them)"
+#endif
 
 // Asks for the cache lines of `bytes` bytes from p, ahead of their use
 inline void fetch(const void* p, int bytes) {
@@ -54,16 +151,8 @@ inline void fetch(const void* p, int bytes) {
 }
 
 // A weight in tiles, each group of tiles one stream: for each input pair, for each of the group's tiles, the
-// 32 weights of its 16 outputs (output i's two at 2i, 2i + 1, as vdpbf16ps pairs them): bf16, or int8 levels
-// converted to bf16 as read, exactly (a level has 8 significant bits), the scales the caller's. x's rows as
-// bf16 pairs (32 bits each), np pairs a row.
-inline __m512bh pair_weights(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh pair_weights(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
+// 32 weights of its 16 outputs (output i's two at 2i, 2i + 1): bf16, or int8 levels, exact as bf16 or fp32
+// (a level has 8 significant bits), the scales the caller's. x's rows as bf16 pairs (32 bits each), np pairs a row.
 template <typename W>
 struct PairTiles {
   static constexpr int MAX_ROWS = 8;  // 8 rows x 4 tiles of sums: one pass serves a whole server step
@@ -75,20 +164,20 @@ struct PairTiles {
 
   template <int R, int NT>
   void tiles(int64_t r0, int64_t t0) const {
-    __m512 acc[NT][R];
+    Vec acc[NT][R];
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; r++) acc[t][r] = zero();
     const W* group = w + t0 * np * 2 * TILE;
     for (int64_t p = 0; p < np; p++) {
-      __m512i xs[R];
-      for (int r = 0; r < R; r++) xs[r] = _mm512_set1_epi32(x[(r0 + r) * np + p]);
+      XPair xs[R];
+      for (int r = 0; r < R; r++) xs[r] = x_pair(x[(r0 + r) * np + p]);
       for (int t = 0; t < NT; t++) {
-        const __m512bh wv = pair_weights(group + (p * NT + t) * 2 * TILE);
-        for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], wv, (__m512bh)xs[r]);
+        const Pairs wv = pair_weights(group + (p * NT + t) * 2 * TILE);
+        for (int r = 0; r < R; r++) acc[t][r] = dot(acc[t][r], wv, xs[r]);
       }
     }
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
+      for (int r = 0; r < R; r++) store(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
   }
 };
 
@@ -121,44 +210,37 @@ struct Int4Tiles {
 
   template <int R, int NT>
   void tiles(int64_t r0, int64_t t0) const {
-    const __m512i low = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
-    const __m512 minus128 = _mm512_set1_ps(-128.f);
+    const Vec minus128 = set1(-128.f);
     const uint32_t* xr = x + r0 * nb * 16;
     const float* sxr = sx + r0 * nb;
-    __m512 acc[NT][R];
+    Vec acc[NT][R];
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
       if (r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes of a group find it in cache
-      __m512 d[NT][R];  // a block's sums, each row's added in the same order whatever the rows
+      Vec d[NT][R];  // a block's sums, each row's added in the same order whatever the rows
       for (int t = 0; t < NT; t++)
-        for (int r = 0; r < R; r++) d[t][r] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) d[t][r] = zero();
       for (int c = 0; c < 8; c++) {  // input pairs 2c (low nibbles) and 2c + 1 (high nibbles) of the block
-        __m512i xs[R][2];
+        XPair xs[R][2];
         for (int r = 0; r < R; r++) {
-          xs[r][0] = _mm512_set1_epi32(xr[r * nb * 16 + b * 16 + 2 * c]);
-          xs[r][1] = _mm512_set1_epi32(xr[r * nb * 16 + b * 16 + 2 * c + 1]);
+          xs[r][0] = x_pair(xr[r * nb * 16 + b * 16 + 2 * c]);
+          xs[r][1] = x_pair(xr[r * nb * 16 + b * 16 + 2 * c + 1]);
         }
         for (int t = 0; t < NT; t++) {
-          const uint8_t* p = w + (t0 * nb + b * NT + t) * TILE_BYTES + c * 32;
-          const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(raw, low, bias, 0xEA);  // (raw & low) | bias
-          const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 4), bias);
-          for (int r = 0; r < R; r++) {
-            d[t][r] = _mm512_dpbf16_ps(d[t][r], lo, (__m512bh)xs[r][0]);
-            d[t][r] = _mm512_dpbf16_ps(d[t][r], hi, (__m512bh)xs[r][1]);
-          }
+          Pairs lo, hi;
+          nibble_pairs(w + (t0 * nb + b * NT + t) * TILE_BYTES + c * 32, lo, hi);
+          for (int r = 0; r < R; r++) d[t][r] = dot(dot(d[t][r], lo, xs[r][0]), hi, xs[r][1]);
         }
       }
       for (int t = 0; t < NT; t++) {
         const Scale* q = sm + (t0 * nb + b * NT + t) * 2 * TILE;
-        const __m512 s = load16(q), m = _mm512_fmadd_ps(minus128, s, load16(q + TILE));
-        for (int r = 0; r < R; r++)
-          acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxr[r * nb + b]), _mm512_fmadd_ps(d[t][r], s, acc[t][r]));
+        const Vec s = load16(q), m = fmadd(minus128, s, load16(q + TILE));
+        for (int r = 0; r < R; r++) acc[t][r] = fmadd(m, set1(sxr[r * nb + b]), fmadd(d[t][r], s, acc[t][r]));
       }
     }
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
+      for (int r = 0; r < R; r++) store(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
   }
 };
 
@@ -191,11 +273,15 @@ const uint32_t* pairs(const at::Tensor& x) { return reinterpret_cast<const uint3
 
 // x (M, K) bf16; w (N/16, K/2, 32) bf16 or int8 as cpu_decode.tiles_layout makes it. Returns y (M, N) fp32 (for
 // int8, unscaled).
-template <typename W>
-at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
+inline void check_pairs(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 2 * TILE &&
                   w.scalar_type() == dtype && x.size(1) == 2 * w.size(1),
               what, ": x (M, K) bf16, w (N/16, K/2, 32) ", dtype);
+}
+
+template <typename W>
+at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
+  check_pairs(x, w, dtype, what);
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0) * TILE}, x.options().dtype(at::kFloat));
   const PairTiles<W> kind{pairs(xc), reinterpret_cast<const W*>(wc.data_ptr()), w.size(1), y.data_ptr<float>(),
@@ -208,7 +294,45 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
   return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows");
 }
 
-at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) { return pair_rows<int8_t>(x, w, at::kChar, "int8_rows"); }
+#ifndef __AVX512BF16__
+// With AVX2 a product of many rows is bound by its arithmetic, which at::mm's fp32 blocking does faster than the
+// tiles: past MATMUL_ROWS rows int8_rows converts the levels to fp32 in their plain order, MATMUL_OUTPUTS outputs at
+// a time (benchmarks/RESULTS.md, "Products of our own on AVX2")
+constexpr int64_t MATMUL_ROWS = 128;
+constexpr int64_t MATMUL_OUTPUTS = 256;
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t nt = w.size(0), N = nt * TILE, K = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({x.size(0), N}, xf.options()), block = at::empty({MATMUL_OUTPUTS, K}, xf.options());
+  const int8_t* levels = w.data_ptr<int8_t>();
+  for (int64_t o0 = 0; o0 < N; o0 += MATMUL_OUTPUTS) {
+    const int64_t n = std::min(MATMUL_OUTPUTS, N - o0);
+    float* plain = block.data_ptr<float>();
+    at::parallel_for(o0, o0 + n, TILE, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; o++) {  // output o is lane o % 16 of tile o / 16 % 4 of group o / 64
+        const int64_t g = o / (TILES * TILE), tiles = std::min<int64_t>(TILES, nt - g * TILES);
+        const int8_t* first = levels + g * TILES * TILE * K + (o / TILE % TILES) * 2 * TILE + 2 * (o % TILE);
+        float* row = plain + (o - o0) * K;
+        for (int64_t p = 0; p < K / 2; p++) {
+          row[2 * p] = first[p * tiles * 2 * TILE];
+          row[2 * p + 1] = first[p * tiles * 2 * TILE + 1];
+        }
+      }
+    });
+    y.narrow(1, o0, n).copy_(at::mm(xf, block.narrow(0, 0, n).t()));
+  }
+  return y;
+}
+#endif
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) {
+#ifndef __AVX512BF16__
+  check_pairs(x, w, at::kChar, "int8_rows");
+  if (x.size(0) > MATMUL_ROWS) return int8_matmul(x, w.contiguous());
+#endif
+  return pair_rows<int8_t>(x, w, at::kChar, "int8_rows");
+}
 
 // F.linear(x, w, bias) in bf16 through the tiles for at most max_rows rows, and through the plain weight w for more,
 // where oneDNN's blocking wins: for a count of rows known only when it runs (compiled prefill's)
@@ -225,8 +349,7 @@ void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const int64_t M = x.size(0), nb = w.size(1);
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
   std::vector<float> sx(M * nb);  // each row's sum of each block of x
-  for (int64_t i = 0; i < M * nb; i++)
-    sx[i] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xb + i * 32), load16(xb + i * 32 + 16)));
+  for (int64_t i = 0; i < M * nb; i++) sx[i] = sum32(xb + i * 32);
   const Int4Tiles<Scale> kind{pairs(x), sx.data(), w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb,
                               w.size(0) * nb, y.data_ptr<float>(), y.size(1)};
   products(kind, M, w.size(0));

@@ -113,8 +113,8 @@ def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class Int8Linear(nn.Module):
     """Per-channel int8. Its kernel is chosen for its device once, by `pack` (int8_kernel): on CPU with
-    AVX-512 BF16, cpu_linear.cpp's for any number of rows, over the weight laid out in its tiles
-    ("cpu-avx512"); on other CPUs PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum
+    AVX-512 BF16 or AVX2, cpu_linear.cpp's for any number of rows, over the weight laid out in its tiles
+    ("cpu-tiles"); on other CPUs PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum
     that compiled code fuses (cpu_decode.py), and for many rows (prefill), where those are slower, a matmul of
     the weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_for_rows); on
     a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized matmul."""
@@ -125,17 +125,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cpu-avx512", "cpu", "cpu-fused", "triton" or "dequantize" once packed
+        self.kernel = None  # "cpu-tiles", "cpu", "cpu-fused", "triton" or "dequantize" once packed
 
     def pack(self, kernel: str):
-        if kernel == "cpu-avx512":
+        if kernel == "cpu-tiles":
             self.weight = cpu_decode.tiles_layout(self.weight, out=self.weight)  # in place: no memory to speak of
         self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
         assert self.kernel is not None, "call quantize.pack_for_device(model) after loading"
         rows = x.shape[:-1].numel()
-        if self.kernel == "cpu-avx512":
+        if self.kernel == "cpu-tiles":
             y = torch.ops.fastllama.int8_rows(x.reshape(-1, self.in_features), self.weight)
             y = y.view(*x.shape[:-1], self.out_features) * self.scales
         elif self.kernel == "cpu-fused" and compiling_few_rows(x):
@@ -164,7 +164,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        self.kernel = None  # "cuda", "cpu-avx512", "cpu" or "dequantize" once packed
+        self.kernel = None  # "cuda", "cpu-tiles", "cpu" or "dequantize" once packed
 
     def pack(self, kernel: str):
         """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
@@ -195,7 +195,7 @@ class Int4Linear(nn.Module):
 def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     """The neutral layout, (n, k/2) packed levels and (n, k/groupsize) scales and mins, in `kernel`'s:
     tinygemm's packed weight and scales_and_zeros (k/groupsize, n, 2), or cpu_linear.cpp's (below)."""
-    if kernel == "cpu-avx512":
+    if kernel == "cpu-tiles":
         return int4_rows_layout(weight, scales, mins)
     # tinygemm dequantizes (q - 8) * scale + zero, so zero = min + 8 * scale
     zeros = mins.float() + 8 * scales.float()
@@ -236,10 +236,10 @@ def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tens
 
 
 def int4_matmul(kernel: str, x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
-    """x (m, k) times a weight packed for `kernel`: bf16 (cpu-avx512: fp32)."""
+    """x (m, k) times a weight packed for `kernel`: bf16 (cpu-tiles: fp32)."""
     if kernel == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x.bfloat16(), weight, groupsize, scales_and_zeros)
-    if kernel == "cpu-avx512":
+    if kernel == "cpu-tiles":
         return torch.ops.fastllama.int4_rows(x.bfloat16(), weight, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight, groupsize, scales_and_zeros)
 
@@ -314,8 +314,9 @@ class Int4ExpertLinears(ExpertLinears):
 
 
 def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> str:
-    """How int8 runs here. On CPUs with AVX-512 BF16, cpu_linear.cpp's kernel for a bf16 model's shapes it
-    takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU"). Otherwise on CPU, compiled code's fused
+    """How int8 runs here. On CPUs with AVX-512 BF16 or AVX2, cpu_linear.cpp's kernel for a bf16 model's shapes
+    it takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU", "Products of our own on AVX2": there
+    slower than a matmul in fp32 only past 256 rows, which a prefill chunk does not reach). Otherwise on CPU, compiled code's fused
     multiply-and-sum pays only with AVX-512, whose masked loads take the int8 weight a part-vector at a time;
     with AVX2 inductor copies each 8 bytes through memory first, and PyTorch's int8 kernel is faster
     (benchmarks/RESULTS.md, "CPUs without AVX-512"). On a GPU, kernels.py's, where Triton is."""
@@ -325,19 +326,20 @@ def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype
         return "dequantize"
     tiles = out_features % 16 == 0 and in_features % 2 == 0 and dtype == torch.bfloat16
     if tiles and cpu_decode.int8_kernel() is not None:
-        return "cpu-avx512"
+        return "cpu-tiles"
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"
 
 
 def int4_kernel(device: torch.device, out_features: int) -> str:
     """Which int4 kernel this device and shape can use; "dequantize" where none can. On CPUs with AVX-512
-    BF16, cpu_linear.cpp's: against PyTorch's, 1.9x at many rows (prefill), 1.5x at six, even at one
-    (benchmarks/RESULTS.md, "Int4 products of our own on CPU")."""
+    BF16 or AVX2, cpu_linear.cpp's: against PyTorch's, with AVX-512 BF16 1.9x at many rows (prefill), 1.5x at
+    six, even at one (benchmarks/RESULTS.md, "Int4 products of our own on CPU"); with AVX2 1.3-1.6x at every
+    count ("Products of our own on AVX2")."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0
         return "cuda" if ok else "dequantize"
     if device.type == "cpu" and out_features % 16 == 0 and cpu_decode.int4_kernel() is not None:
-        return "cpu-avx512"
+        return "cpu-tiles"
     if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "cpu" if out_features % 16 == 0 else "dequantize"
     return "dequantize"

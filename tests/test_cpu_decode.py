@@ -55,13 +55,16 @@ needs_kernel = pytest.mark.skipif(cpu_decode.attention_kernel() is None,
 
 def test_the_kernels_build_where_the_cpu_and_a_compiler_allow():
     """A kernel that cannot be built leaves PyTorch's own form (one line says so), and its tests skip: where the CPU
-    has AVX-512 and a C++ compiler and ninja are here, a failed build is a bug that those skips would hide."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-        pytest.skip("the kernels are for CPUs with AVX-512")
+    has AVX2 (the products) or AVX-512 (attention too) and a C++ compiler and ninja are here, a failed build is a
+    bug that those skips would hide. The products' bf16 tiles are used only with AVX-512 BF16."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512", "AMX"):
+        pytest.skip("the kernels are for CPUs with AVX2 or AVX-512")
     if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
         pytest.skip("no C++ compiler or ninja to build them")
-    assert cpu_decode.attention_kernel() is not None
-    assert cpu_decode.linear_kernels() == torch.cpu._is_avx512_bf16_supported()
+    assert cpu_decode.linear_kernels()
+    assert (cpu_decode.attention_kernel() is not None) == (capability != "AVX2")
+    assert (cpu_decode.bf16_kernel() is not None) == torch.cpu._is_avx512_bf16_supported()
 
 
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
@@ -220,16 +223,16 @@ def test_products_read_the_packed_weight_but_compiled_ones_of_one_or_two_rows():
 
 
 needs_bf16_kernel = pytest.mark.skipif(cpu_decode.bf16_kernel() is None,
-                                       reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
+                                       reason="bf16 tiles are used on CPUs with AVX-512 BF16, where a compiler builds them")
 
 
-@needs_bf16_kernel
+@pytest.mark.skipif(not cpu_decode.linear_kernels(), reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 2)])  # groups of 3 tiles; 4 and 3; one tile
 @torch.no_grad()
 def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, k, dtype):
     """cpu_linear.cpp's bf16_rows and int8_rows over a weight in tiles (tiles_layout's): x w^T to fp32's rounding
-    of the same numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles), and each row's
+    of the same numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles) and 150, and each row's
     numbers the same bits alone as in a batch (a request's tokens in the server do not depend on who shares its
     steps)."""
     weight = torch.randn(n, k).bfloat16() if dtype == torch.bfloat16 else torch.randint(-128, 128, (n, k), dtype=dtype)
@@ -243,6 +246,9 @@ def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, 
     for rows in (1, 3, 8, 9, 17):
         assert torch.equal(kernel(x[:rows], tiles), y[:rows])
     assert torch.equal(kernel(x[5:6], tiles), y[5:6])
+    many = torch.randn(150, k).bfloat16()  # with AVX2, int8's many rows: a matmul of the levels in their plain order
+    torch.testing.assert_close(kernel(many, tiles), many.double() @ weight.double().t(), rtol=1e-5,
+                               atol=1e-5 * largest, check_dtype=False)
 
 
 @needs_bf16_kernel

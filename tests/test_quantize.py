@@ -75,14 +75,14 @@ def test_int8_linear_matches_dequantized_matmul(n, k, M):
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
 
 
-INT8_CPU_KERNELS = ["cpu-fused", "cpu"] + (["cpu-avx512"] if cpu_decode.int8_kernel() else [])
+INT8_CPU_KERNELS = ["cpu-fused", "cpu"] + (["cpu-tiles"] if cpu_decode.int8_kernel() else [])
 
 
 @pytest.mark.parametrize("kernel", INT8_CPU_KERNELS)
 @pytest.mark.parametrize("n,k,shape", [(96, 64, (1, 1)), (208, 128, (1,))])
 def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     """Compiled at one row for CPU decoding, Int8Linear packed "cpu-fused" is a multiply-and-sum that
-    inductor fuses, not the aten kernel; packed "cpu", the aten kernel; packed "cpu-avx512", cpu_linear.cpp's."""
+    inductor fuses, not the aten kernel; packed "cpu", the aten kernel; packed "cpu-tiles", cpu_linear.cpp's."""
     from torch._inductor.compile_fx import compile_fx  # the inductor backend, so we can see its graph
 
     torch._dynamo.reset()  # each case compiles Int8Linear.forward anew: past the recompile limit otherwise
@@ -100,8 +100,8 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     assert y.dtype == torch.bfloat16 and y.shape == (*shape, n)
     assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
     assert len(graphs) == 1 and ("_weight_int8pack_mm" in graphs[0].code) == (kernel == "cpu")
-    assert ("int8_rows" in graphs[0].code) == (kernel == "cpu-avx512")
-    if kernel == "cpu-avx512":  # prefill, compiled for any length, takes it too
+    assert ("int8_rows" in graphs[0].code) == (kernel == "cpu-tiles")
+    if kernel == "cpu-tiles":  # prefill, compiled for any length, takes it too
         prefill = torch.compile(m, backend=inductor, fullgraph=True, dynamic=True)
         for rows in (5, 40):
             x = torch.randn(1, rows, k).bfloat16()
@@ -116,7 +116,7 @@ def test_int8_kernel_follows_the_cpu(monkeypatch, capability, kernel):
     product only where it was measured to beat PyTorch's kernel: AVX-512."""
     cpu = torch.device("cpu")
     whole_tiles = quantize.int8_kernel(cpu, 64, 32, torch.bfloat16)
-    assert whole_tiles == ("cpu-avx512" if cpu_decode.int8_kernel() else quantize.int8_kernel(cpu, 8, 32, torch.bfloat16))
+    assert whole_tiles == ("cpu-tiles" if cpu_decode.int8_kernel() else quantize.int8_kernel(cpu, 8, 32, torch.bfloat16))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     for n, k, dtype in ((8, 32, torch.bfloat16), (64, 33, torch.bfloat16), (64, 32, torch.float32)):  # not tiles
         assert quantize.int8_kernel(cpu, n, k, dtype) == kernel
@@ -149,14 +149,14 @@ def test_quantize_int8_error_and_range():
 
 def int4_cases():
     cases = []
-    ours = pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
-    for kernel in ("cpu", "cpu-avx512", "dequantize"):
+    ours = pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
+    for kernel in ("cpu", "cpu-tiles", "dequantize"):
         for g in GROUPSIZES:
             # k a multiple of g; k = 576 (SmolLM2's dim: a multiple of 32 and 64, padded for 128, 256);
             # k = 592, a multiple of none. The CPU kernel takes n in multiples of 16 only.
             for n, k in [(96, 2 * g), (64, 576), (200 if kernel == "dequantize" else 112, 592)]:
                 cases.append(pytest.param(kernel, g, n, k, id=f"{kernel}-g{g}-n{n}-k{k}",
-                                          marks=[ours] if kernel == "cpu-avx512" else []))
+                                          marks=[ours] if kernel == "cpu-tiles" else []))
     return cases
 
 
@@ -183,7 +183,7 @@ def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
         assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
 
 
-@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     """cpu_linear.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
@@ -194,19 +194,19 @@ def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     m.scales.copy_(torch.rand(n, k // g) / 64 + 1 / 256)  # fp16 scales that bf16 does not hold
     m.mins.copy_(-8 * m.scales.float() + torch.randn(n, k // g) / 1000)
     w_ref = dequantize_int4(m.weight, m.scales, m.mins)
-    m.pack("cpu-avx512")
+    m.pack("cpu-tiles")
     x = torch.randn(5, k).bfloat16()
     with torch.no_grad():
         y = quantize.int4_matmul(m.kernel, x, m.weight, g, m.scales_and_zeros)
     assert rel_err(y, F.linear(x.float(), w_ref)) < 1e-5
 
 
-@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX-512 BF16 and a C++ compiler")
+@pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 def test_the_int4_kernel_of_our_own_gives_a_row_the_same_numbers_alone_and_in_a_batch():
     """Its passes take 1 to 4 rows; each row's sums are added in one order whatever the others, so that a
     prompt decodes to the same tokens alone and in a batch (generate's promise in fp32)."""
     m, _ = int4_module(64, 576, 32)
-    m.pack("cpu-avx512")
+    m.pack("cpu-tiles")
     x = torch.randn(7, 576).bfloat16()
     with torch.no_grad():
         batch = quantize.int4_matmul(m.kernel, x, m.weight, 32, m.scales_and_zeros)
@@ -377,7 +377,7 @@ def test_int4_checkpoint_end_to_end(int4_file, prompt_ids, reference):
     assert type(model.output) is Int8Linear  # the head is int8 in every mode
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(int4) == 4 * model.config.n_layer
-    assert all(m.groupsize == 32 and m.kernel in ("cpu", "cpu-avx512") for m in int4)  # packed for a CPU kernel
+    assert all(m.groupsize == 32 and m.kernel in ("cpu", "cpu-tiles") for m in int4)  # packed for a CPU kernel
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     # measured 0.9999 and 0.9994, closer than int8: the bundled weights come from a Q4_1 GGUF
     # (asymmetric 4-bit in groups of 32), which int4 g32 nearly reproduces
