@@ -706,6 +706,7 @@ def write_record(args, **results):
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   attention_kernel=cpu_decode.USE_ATTENTION_KERNEL,  # FASTLLAMA_ATTENTION_KERNEL=0: off, CPU and GPU
                   cpu_int4_kernel=cpu_decode.USE_INT4_KERNEL,  # FASTLLAMA_INT4_KERNEL=0: off
+                  cpu_int8_kernel=cpu_decode.USE_INT8_KERNEL,  # FASTLLAMA_INT8_KERNEL=0: off
                   cpu_bf16_kernel=cpu_decode.USE_BF16_KERNEL,  # FASTLLAMA_BF16_KERNEL=0: off
                   hardware=torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
                   **results, args=vars(args))
