@@ -1,4 +1,4 @@
-// Decode attention on CPUs with AVX-512, over the KV cache as it is stored (bf16, fp16, fp32, or int8/fp8 with
+// Decode attention on CPUs with AVX-512 or AVX2, over the KV cache as it is stored (bf16, fp16, fp32, or int8/fp8 with
 // a scale per token and head): softmax(q k^T * scale, where mask) v for the few query rows that share a
 // key/value head. cpu_decode.py builds it at first use and calls it where compiled PyTorch reads the cache
 // slower (benchmarks/RESULTS.md, "A decode attention kernel of our own"); the compiled form is its fallback.
@@ -23,64 +23,74 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vectors.h"
+
 namespace {
 
 constexpr int64_t CHUNK = 1024;   // positions a task reads, at most (chunk_for)
 constexpr int64_t SERIAL = 1024;  // positions of all heads below which one thread reads them all (attend)
 constexpr int64_t SUMS = 256;     // positions an int32 sum of products takes, their weights rounded together
-constexpr int ROWS = 4;           // query rows that one pass over a chunk's keys and values serves
+// query rows that one pass over a chunk's keys and values serves: with AVX2's 16 registers, one row's sums fill them
+#if defined(__AVX512F__)
+constexpr int ROWS = 4;
+#else
+constexpr int ROWS = 1;
+#endif
 constexpr int64_t AHEAD = 16;     // positions ahead of the one being read that are fetched (prefetch_row)
 constexpr int KEYS = 4;           // keys whose dot products are computed, and summed across lanes, together
 constexpr float INF = std::numeric_limits<float>::infinity();
 
-// 16 elements of a cache row, as fp32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 load16(const c10::Float8_e4m3fn* p) {  // through a table of all 256 values
+// 16 elements of a cache row, as fp32: load16 (cpu_vectors.h), and for fp8 through a table of all 256 values
+inline Vec load16(const c10::Float8_e4m3fn* p) {
   static const std::vector<float> table = [] {
     std::vector<float> t(256);
     for (int i = 0; i < 256; i++) t[i] = float(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
     return t;
   }();
-  const __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_i32gather_ps(bits, table.data(), 4);
+#if defined(__AVX512F__)
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(load16bytes(p)), table.data(), 4);
+#else
+  return {_mm256_i32gather_ps(table.data(), _mm256_cvtepu8_epi32(load8bytes(p)), 4),
+          _mm256_i32gather_ps(table.data(), _mm256_cvtepu8_epi32(load8bytes(p + 8)), 4)};
+#endif
 }
 
-// the sums of each of a0 .. a3's 16 lanes: pairs of vectors interleaved and added, so that the lanes are
-// added to each other once for all four (a horizontal sum apiece costs about three times the instructions)
-inline __m128 sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512d t01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
-  const __m512d t23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
-  // each 128-bit lane now holds its part of the four sums, in order
-  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01, t23)), _mm512_castpd_ps(_mm512_unpackhi_pd(t01, t23)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-inline __m128i sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {  // the same in int32
+#ifdef __AVX512VNNI__
+inline __m128i sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {  // cpu_vectors.h's sums4, in int32
   const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
   const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
   const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
   const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
+#endif
 
-// exp(x) for x <= 0, 16 at a time: 2^n times a polynomial over the rest (within 2 ulp); 0 below -87 (and
-// for -inf, a masked score)
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), p, n);
+// x where the lanes' bits are set, -inf in the others (a key that a row does not see)
+inline __m128 where_seen(unsigned bits, __m128 x) {
+#if defined(__AVX512F__)
+  return _mm_mask_blend_ps(__mmask8(bits), _mm_set1_ps(-INF), x);
+#else
+  const __m128i lane = _mm_setr_epi32(1, 2, 4, 8);
+  const __m128i seen = _mm_cmpeq_epi32(_mm_and_si128(_mm_set1_epi32(int(bits)), lane), lane);
+  return _mm_blendv_ps(_mm_set1_ps(-INF), x, _mm_castsi128_ps(seen));
+#endif
+}
+
+// bit i set where byte i of p's n (at most 64) is not 0
+inline uint64_t nonzero_bytes(const uint8_t* p, int64_t n) {
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_maskz_loadu_epi8(n == 64 ? ~0ull : (1ull << n) - 1, p);
+  return _mm512_test_epi8_mask(bytes, bytes);
+#else
+  uint64_t bits = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i zero = _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), _mm256_setzero_si256());
+    bits |= uint64_t(~uint32_t(_mm256_movemask_epi8(zero))) << i;
+  }
+  for (; i < n; i++) bits |= uint64_t(p[i] != 0) << i;
+  return bits;
+#endif
 }
 
 // the cache lines of the row `ahead` positions on, fetched while this one is worked on: the hardware's own
@@ -104,7 +114,7 @@ struct Scales {
     const auto each = [&](const auto* x) {
       int64_t i = 0;
       if (stride == 1)  // as a cache's scales lie: 16 at a time
-        for (const __m512 by = _mm512_set1_ps(times); i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(by, load16(x + s0 + i)));
+        for (const Vec by = set1(times); i + 16 <= n; i += 16) store(out + i, mul(by, load16(x + s0 + i)));
       for (; i < n; i++) out[i] = times * float(x[(s0 + i) * stride]);
     };
     switch (dtype) {
@@ -138,15 +148,15 @@ struct Chunk {
 // Rows r0 .. r0 + Rows - 1's dot products with KEYS keys, in fp32: each row's four in one vector
 template <int Rows, typename Element>
 inline void dots(const Chunk& c, int64_t r0, const Element* const* key, __m128* dot) {
-  __m512 acc[Rows][KEYS];
+  Vec acc[Rows][KEYS];
   for (int r = 0; r < Rows; r++)
-    for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < KEYS; j++) acc[r][j] = zero();
   for (int64_t d = 0; d < c.hd; d += 16) {
-    __m512 kd[KEYS];
+    Vec kd[KEYS];
     for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
     for (int r = 0; r < Rows; r++) {
-      const __m512 qd = _mm512_loadu_ps(c.q + (r0 + r) * c.hd + d);
-      for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_fmadd_ps(qd, kd[j], acc[r][j]);
+      const Vec qd = load16(c.q + (r0 + r) * c.hd + d);
+      for (int j = 0; j < KEYS; j++) acc[r][j] = fmadd(qd, kd[j], acc[r][j]);
     }
   }
   for (int r = 0; r < Rows; r++) dot[r] = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
@@ -202,7 +212,7 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
     dots<Rows>(c, r0, key, dot);
     const __m128 factors = _mm_loadu_ps(c.key_factor + i0);
     for (int r = 0; r < Rows; r++) {
-      const __m128 row = _mm_mask_blend_ps(__mmask8(c.sees(t[r], i0)), _mm_set1_ps(-INF), _mm_mul_ps(dot[r], factors));
+      const __m128 row = where_seen(c.sees(t[r], i0), _mm_mul_ps(dot[r], factors));
       _mm_storeu_ps(c.scores + (r0 + r) * CHUNK + i0, row);
       best[r] = _mm_max_ps(best[r], row);
     }
@@ -219,9 +229,9 @@ void score_rows(const Chunk& c, int64_t r0, const Element* keys, int64_t key_str
 template <int Rows, int Width, typename Element>
 void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, const Element* values,
                   int64_t value_stride, float* out) {
-  __m512 acc[Rows][Width];
+  Vec acc[Rows][Width];
   for (int r = 0; r < Rows; r++)
-    for (int x = 0; x < Width; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int x = 0; x < Width; x++) acc[r][x] = zero();
   for (int64_t i = 0; i < c.n; i++) {
     float w[Rows];
     bool any = false;
@@ -229,15 +239,15 @@ void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, 
     if (!any) continue;  // masked for every row: not read
     const Element* value = values + (c.s0 + i) * value_stride + d0;
     if (i + AHEAD < c.n) prefetch_row(value + AHEAD * value_stride, 16 * Width);
-    __m512 vd[Width];
+    Vec vd[Width];
     for (int x = 0; x < Width; x++) vd[x] = load16(value + 16 * x);
     for (int r = 0; r < Rows; r++) {
-      const __m512 wr = _mm512_set1_ps(w[r]);
-      for (int x = 0; x < Width; x++) acc[r][x] = _mm512_fmadd_ps(wr, vd[x], acc[r][x]);
+      const Vec wr = set1(w[r]);
+      for (int x = 0; x < Width; x++) acc[r][x] = fmadd(wr, vd[x], acc[r][x]);
     }
   }
   for (int r = 0; r < Rows; r++)
-    for (int x = 0; x < Width; x++) _mm512_storeu_ps(out + (r0 + r) * c.hd + d0 + 16 * x, acc[r][x]);
+    for (int x = 0; x < Width; x++) store(out + (r0 + r) * c.hd + d0 + 16 * x, acc[r][x]);
 }
 
 template <int Rows, typename Element>
@@ -325,6 +335,12 @@ void weigh_all_pairs(const Chunk& c, int64_t r0, const int16_t* weights, const f
     else weigh_pairs<Rows, 1>(c, r0, d0, weights, scale, values, value_stride, out);
   }
 }
+#else
+// declared only: attend takes integer products where the CPU has AVX-512 VNNI (`integers`), and names them anyway
+float round16(const float* x, int64_t n, int16_t* out, float most);
+template <int Rows>
+void weigh_all_pairs(const Chunk& c, int64_t r0, const int16_t* weights, const float* scale, const int8_t* values,
+                     int64_t value_stride, float* out);
 #endif
 
 // a template's instance for the rows left (at most ROWS), the count a constant so that the tiles stay in registers
@@ -402,10 +418,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         for (int64_t w = 0; w < words; w++) {
           const int64_t from = w * 64, to = std::clamp<int64_t>(n, from, from + 64);
           uint64_t bits = 0;
-          if (mask.stride(3) == 1) {  // 64 at a time
-            const __m512i bytes = _mm512_maskz_loadu_epi8(to - from == 64 ? ~0ull : (1ull << (to - from)) - 1, sees + from);
-            bits = _mm512_test_epi8_mask(bytes, bytes);
-          } else
+          if (mask.stride(3) == 1)  // 64 at a time
+            bits = nonzero_bytes(sees + from, to - from);
+          else
             for (int64_t i = from; i < to; i++) bits |= uint64_t(sees[i * mask.stride(3)] != 0) << (i - from);
           seen[t * WORDS + w] = bits;
         }
@@ -420,24 +435,21 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const Element* values = v.data_ptr<Element>() + b * v.stride(0) + h * v.stride(1);
       for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define SCORE(n) score_rows<n>(c, r0, keys, k.stride(2), values, v.stride(2))
-        FOR_ROWS(R - r0, SCORE)
+        FOR_ROWS(std::min<int64_t>(ROWS, R - r0), SCORE)
 #undef SCORE
       }
       // scores -> exp(score - max), 0 past the chunk's positions (to a multiple of 16); then the weights of the
       // values, times each value's scale (an int8 or fp8 cache's)
       for (int64_t r = 0; r < R; r++) {
         float* row = scores.data() + r * CHUNK;
-        const __m512 max = _mm512_set1_ps(c.max[r]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n16; i += 16) {
-          const __mmask16 in = i + 16 <= n ? 0xffff : i < n ? (1u << (n - i)) - 1 : 0;
-          const __m512 e = c.max[r] == -INF ? _mm512_setzero_ps()
-                                            : exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + i), max));
-          const __m512 p = _mm512_maskz_mov_ps(in, e);
-          sum = _mm512_add_ps(sum, p);
-          _mm512_storeu_ps(row + i, value_scales ? _mm512_mul_ps(p, _mm512_maskz_loadu_ps(in, value_factor.data() + i)) : p);
+        const Vec max = set1(c.max[r]);
+        Vec total = zero();
+        for (int64_t i = 0; i < n16; i += 16) {  // within the buffers (CHUNK long) past n too, whatever they hold there
+          const Vec p = c.max[r] == -INF ? zero() : first_lanes(exp16(sub(load16(row + i), max)), n - i);
+          total = add(total, p);
+          store(row + i, value_scales ? mul(p, load16(value_factor.data() + i)) : p);
         }
-        sums[task * R + r] = _mm512_reduce_add_ps(sum);
+        sums[task * R + r] = sum(total);
       }
       float* acc = accs.data() + task * R * hd;
       if constexpr (integers) {
@@ -447,13 +459,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                                                    weights16.data() + r * CHUNK + i0, levels);
         for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define WEIGH(n) weigh_all_pairs<n>(c, r0, weights16.data(), weight_scale.data(), values, v.stride(2), acc)
-          FOR_ROWS(R - r0, WEIGH)
+          FOR_ROWS(std::min<int64_t>(ROWS, R - r0), WEIGH)
 #undef WEIGH
         }
       } else {
         for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
 #define WEIGH(n) weigh_all_values<n>(c, r0, scores.data(), values, v.stride(2), acc)
-          FOR_ROWS(R - r0, WEIGH)
+          FOR_ROWS(std::min<int64_t>(ROWS, R - r0), WEIGH)
 #undef WEIGH
         }
       }

@@ -29,7 +29,7 @@ there than F.linear's ("Scoring through oneDNN's packed weights").
 
 Only the products change: the attention math around them (scale, mask, softmax, any variant) is
 model.py's own, so compiled decoding computes what eager decoding computes. One exception, tested
-against that math: on CPUs with AVX-512, the attention of a decode or verify step (up to ATTENTION_ROWS
+against that math: on CPUs with AVX-512 or AVX2, the attention of a decode or verify step (up to ATTENTION_ROWS
 rows a key/value head) runs in a kernel of our own, cpu_attention.cpp, built at first use; it reads the
 cache as stored (an int8 cache's scales applied to finished dot products), skips the slots no row sees,
 and splits a head's positions between the threads, where the compiled form read the cache at about half
@@ -40,6 +40,7 @@ which quantize.py chooses at load.
 """
 
 import functools
+import hashlib
 import os
 import sys
 import types
@@ -140,7 +141,7 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
     return "folded" if group > 1 and statically_known_true(T <= FOLDED_ATTENTION_POSITIONS) else "fused"
 
 
-# Decode attention's own kernel (cpu_attention.cpp), on CPUs with AVX-512, for the models apply() is given:
+# Decode attention's own kernel (cpu_attention.cpp), on CPUs with AVX-512 or AVX2, for the models apply() is given:
 # FASTLLAMA_ATTENTION_KERNEL=0 in the environment (or this set False) leaves the compiled form alone, to compare
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
@@ -162,8 +163,11 @@ def built(name: str, what: str, capabilities: tuple = ("AVX512", "AMX")) -> bool
         return False
     try:
         from torch.utils import cpp_extension
+        # PyTorch builds again when a source or a flag has changed, not a header: the header's digest is a flag
+        header = hashlib.sha256(Path(__file__).with_name("cpu_vectors.h").read_bytes()).hexdigest()[:16]
         cpp_extension.load(f"fastllama_{name}", [str(Path(__file__).with_name(f"{name}.cpp"))],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DFASTLLAMA_VECTORS={header}"],
+                           is_python_module=False)
     except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
         said = (str(e).splitlines() or [type(e).__name__])[0]
         print(f"note: the CPU kernel for {what} could not be built ({said}); PyTorch's own form runs instead",
@@ -175,7 +179,7 @@ def built(name: str, what: str, capabilities: tuple = ("AVX512", "AMX")) -> bool
 @functools.cache
 def attention_kernel():
     """torch.ops.fastllama.decode_attention from cpu_attention.cpp, or None where it cannot be built."""
-    if not built("cpu_attention", "decode attention"):
+    if not built("cpu_attention", "decode attention", ("AVX2", "AVX512", "AMX")):
         return None
     torch.library.register_fake("fastllama::decode_attention")(
         lambda q, k, v, k_scales, v_scales, mask, scale: q.new_empty(q.shape, dtype=torch.float32))
@@ -193,6 +197,8 @@ def decode_attention(q, k, v, k_scales, v_scales, mask, scale):
 def linear_kernels() -> bool:
     """Whether cpu_linear.cpp's products are built (CPUs with AVX-512 BF16, or AVX2 with FMA and F16C):
     torch.ops.fastllama.bf16_rows, int8_rows and int4_rows."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" and not torch.cpu._is_avx512_bf16_supported():
+        return False  # AVX-512 without BF16: its vdpbf16ps is what the kernel's AVX-512 form is built on
     if not built("cpu_linear", "bf16, int8 and int4 products", ("AVX2", "AVX512", "AMX")):
         return False
     torch.library.register_fake("fastllama::bf16_rows")(

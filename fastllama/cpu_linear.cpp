@@ -14,13 +14,13 @@
 // int8 (int8_rows): quantize.Int8Linear's levels laid out in the same tiles as bf16's, in place, and converted to
 // bf16 as read; its scales applied by the caller. At one row it reads the weight 1.8x faster than the loop compiled
 // code makes, and at 512 rows it is about as fast as a bf16 matmul of the converted weight (benchmarks/RESULTS.md,
-// "Int8 products of our own on CPU"; with AVX2, "Products of our own on AVX2": faster than PyTorch's int8 kernel
-// and a matmul in fp32 up to 256 rows, a prefill chunk), so prefill takes it too, and the plain layout is not kept.
+// "Int8 products of our own on CPU"; with AVX2, "Products of our own on AVX2", more than 128 rows are a matmul in
+// fp32 of the levels converted), so prefill takes it too, and the plain layout is not kept.
 //
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
 // rows (prefill), 1.5x at six (a verify step) and about the same at one (benchmarks/RESULTS.md, "Int4 products
-// of our own on CPU"; with AVX2, 1.3-1.6x at every count). A level becomes a bf16 number without a conversion: 0x4300 | q is 128 + q exactly, so a
+// of our own on CPU"; with AVX2, 1.2-1.4x at every count). A level becomes a bf16 number without a conversion: 0x4300 | q is 128 + q exactly, so a
 // block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s) sum x, the sums of x a block
 // computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
 // and two bit operations unpack 64 of them.
@@ -33,41 +33,27 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu_vectors.h"
+
 namespace {
 
 constexpr int64_t TILE = 16;  // outputs a tile holds, one a lane
 constexpr int TILES = 4;      // tiles computed together (a group), so that the sums' chains overlap
 
-// The few vector operations the kernels below are written in, for two kinds of CPU. With AVX-512 BF16 a Vec of
-// 16 fp32 sums is one register, and one vdpbf16ps adds a pair of inputs' products for all 16 outputs. With AVX2
-// (and FMA, F16C) a Vec is two registers of 8, and a pair's weights are split into the first and the second input's
-// as fp32 (a bf16 number is the top half of an fp32 one), each multiplied in by one fused multiply-add: the same
-// products, each exact in fp32, and sums rounded as often.
+// A pair of inputs' products for a tile's 16 outputs (dot). With AVX-512 BF16 one vdpbf16ps; with AVX2 a pair's
+// weights are split into the first and the second input's as fp32, each multiplied in by a fused multiply-add: the
+// same products, each exact in fp32, and sums rounded as often.
 #if defined(__AVX512BF16__)
-using Vec = __m512;
 using Pairs = __m512bh;  // 16 outputs' weights for an input pair (output i's at 2i, 2i + 1)
 using XPair = __m512bh;  // a row's input pair, for every lane
 
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec set1(float a) { return _mm512_set1_ps(a); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline XPair x_pair(uint32_t bits) { return (XPair)_mm512_set1_epi32(int(bits)); }
 inline Vec dot(Vec acc, Pairs w, XPair x) { return _mm512_dpbf16_ps(acc, w, x); }
-
-// 16 numbers as fp32: scales or mins, in the dtype the checkpoint holds them in (exact), or x
-inline Vec load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline Vec load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline float sum32(const at::BFloat16* p) { return _mm512_reduce_add_ps(_mm512_add_ps(load16(p), load16(p + 16))); }
 
 inline Pairs pair_weights(const at::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
 inline Pairs pair_weights(const int8_t* p) {  // int8 levels converted to bf16 as read, exactly (8 significant bits)
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
+  return _mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
 }
 // 32 bytes of 4-bit levels, two input pairs' (the low nibbles the first pair's, the high the second's), as bf16
 // numbers 128 + q without a conversion: 0x4300 | q is 128 + q exactly
@@ -77,10 +63,7 @@ inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {
   first = (Pairs)_mm512_ternarylogic_epi32(raw, low, bias, 0xEA);  // (raw & low) | bias
   second = (Pairs)_mm512_or_si512(_mm512_srli_epi16(raw, 4), bias);
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct Vec {
-  __m256 lo, hi;  // outputs 0-7, 8-15
-};
+#elif !defined(__AVX512F__)
 struct Pairs {
   __m256 first[2], second[2];  // each input's weights for outputs 0-7 and 8-15
 };
@@ -88,16 +71,13 @@ struct XPair {
   __m256 first, second;
 };
 
-inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline Vec set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
-
 // bf16 pairs (32 bits each: the first number in the low half) as each one's fp32 numbers
 inline __m256 first_of(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 inline __m256 second_of(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
+inline Pairs split(__m256i lo, __m256i hi) { return {{first_of(lo), first_of(hi)}, {second_of(lo), second_of(hi)}}; }
+
 inline XPair x_pair(uint32_t bits) {
   const __m256i all = _mm256_set1_epi32(int(bits));
   return {first_of(all), second_of(all)};
@@ -106,21 +86,7 @@ inline Vec dot(Vec acc, const Pairs& w, const XPair& x) {
   return {_mm256_fmadd_ps(w.second[0], x.second, _mm256_fmadd_ps(w.first[0], x.first, acc.lo)),
           _mm256_fmadd_ps(w.second[1], x.second, _mm256_fmadd_ps(w.first[1], x.first, acc.hi))};
 }
-inline Pairs split(__m256i lo, __m256i hi) { return {{first_of(lo), first_of(hi)}, {second_of(lo), second_of(hi)}}; }
-
-inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-inline Vec load16(const at::BFloat16* p) {
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(p)), 16)),
-          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(p + 8)), 16))};
-}
-inline Vec load16(const at::Half* p) { return {_mm256_cvtph_ps(load128(p)), _mm256_cvtph_ps(load128(p + 8))}; }
-inline float sum32(const at::BFloat16* p) {
-  const Vec a = load16(p), b = load16(p + 16);
-  const __m256 s = _mm256_add_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
+inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
 
 inline Pairs pair_weights(const at::BFloat16* p) {
   return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
@@ -129,7 +95,7 @@ inline Pairs pair_weights(const at::BFloat16* p) {
 inline Pairs pair_weights(const int8_t* p) {  // int8 levels as fp32: each 16-bit half sign-extended, converted
   Pairs w;
   for (int h = 0; h < 2; h++) {
-    const __m256i wide = _mm256_cvtepi8_epi16(load128(p + 16 * h));
+    const __m256i wide = _mm256_cvtepi8_epi16(load16bytes(p + 16 * h));
     w.first[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wide, 16), 16));
     w.second[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(wide, 16));
   }
@@ -137,12 +103,12 @@ inline Pairs pair_weights(const int8_t* p) {  // int8 levels as fp32: each 16-bi
 }
 inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {  // as AVX-512's, 16 bytes at a time
   const __m256i low = _mm256_set1_epi16(0x0F), bias = _mm256_set1_epi16(0x4300);
-  const __m256i raw0 = _mm256_cvtepu8_epi16(load128(p)), raw1 = _mm256_cvtepu8_epi16(load128(p + 16));
+  const __m256i raw0 = _mm256_cvtepu8_epi16(load16bytes(p)), raw1 = _mm256_cvtepu8_epi16(load16bytes(p + 16));
   first = split(_mm256_or_si256(_mm256_and_si256(raw0, low), bias), _mm256_or_si256(_mm256_and_si256(raw1, low), bias));
   second = split(_mm256_or_si256(_mm256_srli_epi16(raw0, 4), bias), _mm256_or_si256(_mm256_srli_epi16(raw1, 4), bias));
 }
 #else
-#error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (-march=native on a CPU that has them)"
+#error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 (with FMA and F16C) without AVX-512"
 #endif
 
 // Asks for the cache lines of `bytes` bytes from p, ahead of their use

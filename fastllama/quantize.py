@@ -315,8 +315,8 @@ class Int4ExpertLinears(ExpertLinears):
 
 def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> str:
     """How int8 runs here. On CPUs with AVX-512 BF16 or AVX2, cpu_linear.cpp's kernel for a bf16 model's shapes
-    it takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU", "Products of our own on AVX2": there
-    slower than a matmul in fp32 only past 256 rows, which a prefill chunk does not reach). Otherwise on CPU, compiled code's fused
+    it takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU", "Products of our own on AVX2": there it
+    multiplies more than 128 rows as a matmul in fp32). Otherwise on CPU, compiled code's fused
     multiply-and-sum pays only with AVX-512, whose masked loads take the int8 weight a part-vector at a time;
     with AVX2 inductor copies each 8 bytes through memory first, and PyTorch's int8 kernel is faster
     (benchmarks/RESULTS.md, "CPUs without AVX-512"). On a GPU, kernels.py's, where Triton is."""
@@ -333,7 +333,7 @@ def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype
 def int4_kernel(device: torch.device, out_features: int) -> str:
     """Which int4 kernel this device and shape can use; "dequantize" where none can. On CPUs with AVX-512
     BF16 or AVX2, cpu_linear.cpp's: against PyTorch's, with AVX-512 BF16 1.9x at many rows (prefill), 1.5x at
-    six, even at one (benchmarks/RESULTS.md, "Int4 products of our own on CPU"); with AVX2 1.3-1.6x at every
+    six, even at one (benchmarks/RESULTS.md, "Int4 products of our own on CPU"); with AVX2 1.2-1.4x at every
     count ("Products of our own on AVX2")."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0

@@ -75,7 +75,7 @@ def test_compiled_decoding_reads_the_filled_slots_in_one_graph_for_every_depth(m
     assert len(graphs) == 1
 
 
-@pytest.mark.skipif(cpu_decode.attention_kernel() is None, reason="the attention kernel needs AVX-512 and a C++ compiler")
+@pytest.mark.skipif(cpu_decode.attention_kernel() is None, reason="the attention kernel needs AVX2 or AVX-512 and a C++ compiler")
 @torch.no_grad()
 def test_through_the_attention_kernel_a_step_past_4096_positions_compiles_no_second_graph():
     """Inductor's CPU code sums more than 4096 elements in another form, behind a guard on the length, so
