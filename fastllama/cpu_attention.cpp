@@ -85,8 +85,8 @@ inline uint64_t nonzero_bytes(const uint8_t* p, int64_t n) {
   uint64_t bits = 0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i zero = _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), _mm256_setzero_si256());
-    bits |= uint64_t(~uint32_t(_mm256_movemask_epi8(zero))) << i;
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    bits |= uint64_t(~uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())))) << i;
   }
   for (; i < n; i++) bits |= uint64_t(p[i] != 0) << i;
   return bits;

@@ -146,8 +146,8 @@ def attention_path(attention: Attention, T: int, S: int) -> str:
 # (kernels.apply reads it too, for the GPU's kernel)
 USE_ATTENTION_KERNEL = os.environ.get("FASTLLAMA_ATTENTION_KERNEL", "1") != "0"
 # ... and products' (cpu_linear.cpp), on CPUs with AVX-512 BF16 or AVX2: FASTLLAMA_INT4_KERNEL=0 leaves int4's to
-# PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to quantize.int8_kernel's other forms, FASTLLAMA_BF16_KERNEL=0 a packed bf16 copy
-# to oneDNN's
+# PyTorch's kernel, FASTLLAMA_INT8_KERNEL=0 int8's to quantize.int8_kernel's other forms, FASTLLAMA_BF16_KERNEL=0 a
+# packed bf16 copy to oneDNN's
 USE_INT4_KERNEL = os.environ.get("FASTLLAMA_INT4_KERNEL", "1") != "0"
 USE_INT8_KERNEL = os.environ.get("FASTLLAMA_INT8_KERNEL", "1") != "0"
 USE_BF16_KERNEL = os.environ.get("FASTLLAMA_BF16_KERNEL", "1") != "0"

@@ -1,9 +1,10 @@
 // Weight-only products of our own on CPUs with AVX-512 BF16 or AVX2: y = x w^T for a few rows of x (bf16), with
 // the weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds
 // a pair of inputs' products for all 16: 32 products an instruction, each weight element read once for all the
-// rows of a pass (with AVX2, four fused multiply-adds; the vector operations below say how). A pass serves up to MAX_ROWS rows; more rows take more passes, over a group of tiles still in
-// cache. Each row's sums are added in one order whatever the other rows, so that a row's numbers are the same
-// alone and in a batch (generate.py's promise in fp32).
+// rows of a pass (with AVX2, four fused multiply-adds; the vector operations below say how). A pass serves up to
+// MAX_ROWS rows; more rows take more passes, over a group of tiles still in cache. Each row's sums are added in one
+// order whatever the other rows, so that a row's numbers are the same alone and in a batch (generate.py's promise
+// in fp32).
 //
 // bf16 (bf16_rows): cpu_decode.pack gives a bf16 linear a copy of its weight in tiles (tiles_layout), whose
 // products of a few rows (decode and verify steps, the server's steps, short prompts) read it faster than
@@ -20,9 +21,9 @@
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
 // rows (prefill), 1.5x at six (a verify step) and about the same at one (benchmarks/RESULTS.md, "Int4 products
-// of our own on CPU"; with AVX2, 1.2-1.4x at every count). A level becomes a bf16 number without a conversion: 0x4300 | q is 128 + q exactly, so a
-// block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s) sum x, the sums of x a block
-// computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
+// of our own on CPU"; with AVX2, 1.2-1.4x at every count). A level becomes a bf16 number without a conversion:
+// 0x4300 | q is 128 + q exactly, so a block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s)
+// sum x, the sums of x a block computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
 // and two bit operations unpack 64 of them.
 
 #include <ATen/ATen.h>
