@@ -154,12 +154,12 @@ USE_BF16_KERNEL = os.environ.get("FASTLLAMA_BF16_KERNEL", "1") != "0"
 
 
 @functools.cache
-def built(name: str, what: str, capabilities: tuple = ("AVX512", "AMX")) -> bool:
+def built(name: str, what: str) -> bool:
     """Whether the kernels of fastllama/{name}.cpp are built and registered (torch.ops.fastllama): at first
-    use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs of
-    `capabilities` (PyTorch's names). Where one cannot be built (another CPU, no C++ compiler or ninja),
-    PyTorch's own form of `what` serves, said in one line."""
-    if torch.backends.cpu.get_cpu_capability() not in capabilities:
+    use (PyTorch keeps the build, in ~/.cache/torch_extensions, for the processes after), on CPUs with AVX2 or
+    AVX-512. Where one cannot be built (another CPU, no C++ compiler or ninja), PyTorch's own form of `what`
+    serves, said in one line."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
         return False
     try:
         from torch.utils import cpp_extension
@@ -179,7 +179,7 @@ def built(name: str, what: str, capabilities: tuple = ("AVX512", "AMX")) -> bool
 @functools.cache
 def attention_kernel():
     """torch.ops.fastllama.decode_attention from cpu_attention.cpp, or None where it cannot be built."""
-    if not built("cpu_attention", "decode attention", ("AVX2", "AVX512", "AMX")):
+    if not built("cpu_attention", "decode attention"):
         return None
     torch.library.register_fake("fastllama::decode_attention")(
         lambda q, k, v, k_scales, v_scales, mask, scale: q.new_empty(q.shape, dtype=torch.float32))
@@ -199,7 +199,7 @@ def linear_kernels() -> bool:
     torch.ops.fastllama.bf16_rows, int8_rows and int4_rows."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" and not torch.cpu._is_avx512_bf16_supported():
         return False  # AVX-512 without BF16: its vdpbf16ps is what the kernel's AVX-512 form is built on
-    if not built("cpu_linear", "bf16, int8 and int4 products", ("AVX2", "AVX512", "AMX")):
+    if not built("cpu_linear", "bf16, int8 and int4 products"):
         return False
     torch.library.register_fake("fastllama::bf16_rows")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))

@@ -50,7 +50,6 @@ using XPair = __m512bh;  // a row's input pair, for every lane
 
 inline XPair x_pair(uint32_t bits) { return (XPair)_mm512_set1_epi32(int(bits)); }
 inline Vec dot(Vec acc, Pairs w, XPair x) { return _mm512_dpbf16_ps(acc, w, x); }
-inline float sum32(const at::BFloat16* p) { return _mm512_reduce_add_ps(_mm512_add_ps(load16(p), load16(p + 16))); }
 
 inline Pairs pair_weights(const at::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
 inline Pairs pair_weights(const int8_t* p) {  // int8 levels converted to bf16 as read, exactly (8 significant bits)
@@ -87,7 +86,6 @@ inline Vec dot(Vec acc, const Pairs& w, const XPair& x) {
   return {_mm256_fmadd_ps(w.second[0], x.second, _mm256_fmadd_ps(w.first[0], x.first, acc.lo)),
           _mm256_fmadd_ps(w.second[1], x.second, _mm256_fmadd_ps(w.first[1], x.first, acc.hi))};
 }
-inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
 
 inline Pairs pair_weights(const at::BFloat16* p) {
   return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
@@ -111,6 +109,8 @@ inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {  // as
 #else
 #error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 (with FMA and F16C) without AVX-512"
 #endif
+
+inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
 
 // Asks for the cache lines of `bytes` bytes from p, ahead of their use
 inline void fetch(const void* p, int bytes) {
@@ -247,8 +247,7 @@ inline void check_pairs(const at::Tensor& x, const at::Tensor& w, at::ScalarType
 }
 
 template <typename W>
-at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
-  check_pairs(x, w, dtype, what);
+at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w) {
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0) * TILE}, x.options().dtype(at::kFloat));
   const PairTiles<W> kind{pairs(xc), reinterpret_cast<const W*>(wc.data_ptr()), w.size(1), y.data_ptr<float>(),
@@ -258,7 +257,8 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dt
 }
 
 at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
-  return pair_rows<at::BFloat16>(x, w, at::kBFloat16, "bf16_rows");
+  check_pairs(x, w, at::kBFloat16, "bf16_rows");
+  return pair_rows<at::BFloat16>(x, w);
 }
 
 #ifndef __AVX512BF16__
@@ -294,11 +294,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
 #endif
 
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) {
-#ifndef __AVX512BF16__
   check_pairs(x, w, at::kChar, "int8_rows");
+#ifndef __AVX512BF16__
   if (x.size(0) > MATMUL_ROWS) return int8_matmul(x, w.contiguous());
 #endif
-  return pair_rows<int8_t>(x, w, at::kChar, "int8_rows");
+  return pair_rows<int8_t>(x, w);
 }
 
 // F.linear(x, w, bias) in bf16 through the tiles for at most max_rows rows, and through the plain weight w for more,
