@@ -30,11 +30,17 @@ namespace {
 constexpr int64_t CHUNK = 1024;   // positions a task reads, at most (chunk_for)
 constexpr int64_t SERIAL = 1024;  // positions of all heads below which one thread reads them all (attend)
 constexpr int64_t SUMS = 256;     // positions an int32 sum of products takes, their weights rounded together
-// query rows that one pass over a chunk's keys and values serves: with AVX2's 16 registers, one row's sums fill them
+// query rows that one pass over a chunk's keys and values serves, and the 16-element blocks of a value that a pass
+// of Rows rows over the values weighs: their sums fit the registers, 32 with AVX-512, 16 with AVX2 (ROWS x KEYS
+// Sums; Rows x WIDTH Vecs of two registers each, at most 12)
 #if defined(__AVX512F__)
 constexpr int ROWS = 4;
+template <int Rows>
+constexpr int WIDTH = 4;
 #else
-constexpr int ROWS = 1;
+constexpr int ROWS = 3;
+template <int Rows>
+constexpr int WIDTH = std::min(4, 6 / Rows);
 #endif
 constexpr int64_t AHEAD = 16;     // positions ahead of the one being read that are fetched (prefetch_row)
 constexpr int KEYS = 4;           // keys whose dot products are computed, and summed across lanes, together
@@ -148,18 +154,26 @@ struct Chunk {
 // Rows r0 .. r0 + Rows - 1's dot products with KEYS keys, in fp32: each row's four in one vector
 template <int Rows, typename Element>
 inline void dots(const Chunk& c, int64_t r0, const Element* const* key, __m128* dot) {
-  Vec acc[Rows][KEYS];
+  using Acc = std::conditional_t<Rows == 1, Vec, Sum>;  // one row's four sums fit AVX2's registers as Vecs
+  Acc acc[Rows][KEYS];
   for (int r = 0; r < Rows; r++)
-    for (int j = 0; j < KEYS; j++) acc[r][j] = zero();
+    for (int j = 0; j < KEYS; j++) acc[r][j] = Acc{};  // zeros
   for (int64_t d = 0; d < c.hd; d += 16) {
-    Vec kd[KEYS];
-    for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
-    for (int r = 0; r < Rows; r++) {
-      const Vec qd = load16(c.q + (r0 + r) * c.hd + d);
-      for (int j = 0; j < KEYS; j++) acc[r][j] = fmadd(qd, kd[j], acc[r][j]);
+    if constexpr (Rows == 1 || std::is_same_v<Sum, Vec>) {  // the keys converted first, overlapping (int8's most)
+      Vec kd[KEYS];
+      for (int j = 0; j < KEYS; j++) kd[j] = load16(key[j] + d);
+      for (int r = 0; r < Rows; r++) {
+        const Vec qd = load16(c.q + (r0 + r) * c.hd + d);
+        for (int j = 0; j < KEYS; j++) acc[r][j] = fmadd_sum(qd, kd[j], acc[r][j]);
+      }
+    } else {  // AVX2's rows: a key at a time, so that its 16 registers hold it beside the sums
+      for (int j = 0; j < KEYS; j++) {
+        const Vec kd = load16(key[j] + d);
+        for (int r = 0; r < Rows; r++) acc[r][j] = fmadd_sum(load16(c.q + (r0 + r) * c.hd + d), kd, acc[r][j]);
+      }
     }
   }
-  for (int r = 0; r < Rows; r++) dot[r] = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  for (int r = 0; r < Rows; r++) dot[r] = sums4(to_sum(acc[r][0]), to_sum(acc[r][1]), to_sum(acc[r][2]), to_sum(acc[r][3]));
 }
 
 #ifdef __AVX512VNNI__
@@ -239,11 +253,9 @@ void weigh_values(const Chunk& c, int64_t r0, int64_t d0, const float* weights, 
     if (!any) continue;  // masked for every row: not read
     const Element* value = values + (c.s0 + i) * value_stride + d0;
     if (i + AHEAD < c.n) prefetch_row(value + AHEAD * value_stride, 16 * Width);
-    Vec vd[Width];
-    for (int x = 0; x < Width; x++) vd[x] = load16(value + 16 * x);
-    for (int r = 0; r < Rows; r++) {
-      const Vec wr = set1(w[r]);
-      for (int x = 0; x < Width; x++) acc[r][x] = fmadd(wr, vd[x], acc[r][x]);
+    for (int x = 0; x < Width; x++) {  // a block at a time, so that only one is live (AVX2's registers)
+      const Vec vd = load16(value + 16 * x);
+      for (int r = 0; r < Rows; r++) acc[r][x] = fmadd(set1(w[r]), vd, acc[r][x]);
     }
   }
   for (int r = 0; r < Rows; r++)
@@ -254,8 +266,9 @@ template <int Rows, typename Element>
 void weigh_all_values(const Chunk& c, int64_t r0, const float* weights, const Element* values, int64_t value_stride,
                       float* out) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= c.hd; d0 += 64) weigh_values<Rows, 4>(c, r0, d0, weights, values, value_stride, out);
-  switch ((c.hd - d0) / 16) {
+  constexpr int width = WIDTH<Rows>;
+  for (; d0 + 16 * width <= c.hd; d0 += 16 * width) weigh_values<Rows, width>(c, r0, d0, weights, values, value_stride, out);
+  switch ((c.hd - d0) / 16) {  // the blocks left, fewer than width
     case 1: weigh_values<Rows, 1>(c, r0, d0, weights, values, value_stride, out); break;
     case 2: weigh_values<Rows, 2>(c, r0, d0, weights, values, value_stride, out); break;
     case 3: weigh_values<Rows, 3>(c, r0, d0, weights, values, value_stride, out); break;
@@ -349,7 +362,7 @@ void weigh_all_pairs(const Chunk& c, int64_t r0, const int16_t* weights, const f
     case 1: call(1); break;               \
     case 2: call(2); break;               \
     case 3: call(3); break;               \
-    default: call(4); break;              \
+    default: call(ROWS); break;           \
   }
 
 // row b, head h's scales (a tensor (>= B, H, >= S, 1)), or none

@@ -39,9 +39,14 @@ inline Vec load16(const at::BFloat16* p) {  // a bf16 number is the top half of 
 inline Vec load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline Vec load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16bytes(p))); }
 
+// A dot product's running sums, whose lanes are added at its end (sums4): a Vec here
+using Sum = __m512;
+inline Sum fmadd_sum(Vec a, Vec b, Sum s) { return _mm512_fmadd_ps(a, b, s); }
+inline Sum to_sum(Vec a) { return a; }
+
 // the sums of each of a0 .. a3's lanes: pairs of vectors interleaved and added, so that the lanes are added to
 // each other once for all four (a horizontal sum apiece costs about three times the instructions)
-inline __m128 sums4(Vec a0, Vec a1, Vec a2, Vec a3) {
+inline __m128 sums4(Sum a0, Sum a1, Sum a2, Sum a3) {
   const __m512d t01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
   const __m512d t23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
   // each 128-bit lane now holds its part of the four sums, in order
@@ -94,11 +99,19 @@ inline Vec load16(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8bytes(p))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8bytes(p + 8)))};
 }
 
-inline __m128 sums4(Vec a0, Vec a1, Vec a2, Vec a3) {
-  // each vector's halves added, then pairs added across vectors: in each 128-bit half, a0 .. a3's parts in order
-  const __m256 s01 = _mm256_hadd_ps(_mm256_add_ps(a0.lo, a0.hi), _mm256_add_ps(a1.lo, a1.hi));
-  const __m256 s23 = _mm256_hadd_ps(_mm256_add_ps(a2.lo, a2.hi), _mm256_add_ps(a3.lo, a3.hi));
-  const __m256 s = _mm256_hadd_ps(s01, s23);
+// A dot product's running sums: one register, into which both halves of each product are added, so that three
+// rows' sums of four keys take 12 of AVX2's 16 registers (two a sum would spill them)
+using Sum = __m256;
+inline Sum fmadd_sum(Vec a, Vec b, Sum s) { return _mm256_fmadd_ps(a.hi, b.hi, _mm256_fmadd_ps(a.lo, b.lo, s)); }
+// ... or kept as a Vec, two chains of multiply-adds where one would wait on each one's latency, and made a Sum at
+// the end: for a pass of few sums
+inline Vec fmadd_sum(Vec a, Vec b, Vec s) { return fmadd(a, b, s); }
+inline Sum to_sum(Vec a) { return _mm256_add_ps(a.lo, a.hi); }
+inline Sum to_sum(Sum a) { return a; }
+
+inline __m128 sums4(Sum a0, Sum a1, Sum a2, Sum a3) {
+  // pairs added across vectors: in each 128-bit half, a0 .. a3's parts in order
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 

@@ -25,6 +25,9 @@ layers = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 src = subprocess.run(["git", "show", f"{rev}:fastllama/cpu_attention.cpp"], capture_output=True, text=True, check=True).stdout
 old_source = Path(tempfile.mkdtemp()) / "old_attention.cpp"
 old_source.write_text(src.replace("(fastllama,", "(fastllama_old,"))
+header = subprocess.run(["git", "show", f"{rev}:fastllama/cpu_vectors.h"], capture_output=True, text=True)
+if header.returncode == 0:  # the vector operations the kernel includes, from the same commit
+    old_source.with_name("cpu_vectors.h").write_text(header.stdout)
 cpp_extension.load("fastllama_old_attention", [str(old_source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                    is_python_module=False)
 kernels = {rev: torch.ops.fastllama_old.decode_attention, "checkout": cpu_decode.attention_kernel()}
