@@ -218,6 +218,14 @@ def int4_kernel():
     return torch.ops.fastllama.int4_rows if USE_INT4_KERNEL and linear_kernels() else None
 
 
+def int4_rounds_activations() -> bool:
+    """Whether int4_kernel()'s products take x rounded to int8 a block of 32 inputs at a time, as llama.cpp's
+    products with a Q4 weight do: its AVX2 form, which multiplies in integers where the exact fp32 form was bound
+    by its arithmetic (benchmarks/RESULTS.md, "Int4 products in integers on AVX2"). With AVX-512 BF16 x stays
+    exact."""
+    return int4_kernel() is not None and not torch.cpu._is_avx512_bf16_supported()
+
+
 def int8_kernel():
     """torch.ops.fastllama.int8_rows, or None where it is not built (quantize.int8_kernel then chooses another)."""
     return torch.ops.fastllama.int8_rows if USE_INT8_KERNEL and linear_kernels() else None

@@ -21,7 +21,8 @@
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
 // rows (prefill), 1.5x at six (a verify step) and about the same at one (benchmarks/RESULTS.md, "Int4 products
-// of our own on CPU"; with AVX2, 1.2-1.4x at every count). A level becomes a bf16 number without a conversion:
+// of our own on CPU"). With AVX2 the products are in integers, x rounded to int8 (Int4Bytes, below). With AVX-512
+// BF16 x stays exact, and a level becomes a bf16 number without a conversion:
 // 0x4300 | q is 128 + q exactly, so a block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s)
 // sum x, the sums of x a block computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
 // and two bit operations unpack 64 of them.
@@ -32,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu_vectors.h"
@@ -100,17 +102,9 @@ inline Pairs pair_weights(const int8_t* p) {  // int8 levels as fp32: each 16-bi
   }
   return w;
 }
-inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {  // as AVX-512's, 16 bytes at a time
-  const __m256i low = _mm256_set1_epi16(0x0F), bias = _mm256_set1_epi16(0x4300);
-  const __m256i raw0 = _mm256_cvtepu8_epi16(load16bytes(p)), raw1 = _mm256_cvtepu8_epi16(load16bytes(p + 16));
-  first = split(_mm256_or_si256(_mm256_and_si256(raw0, low), bias), _mm256_or_si256(_mm256_and_si256(raw1, low), bias));
-  second = split(_mm256_or_si256(_mm256_srli_epi16(raw0, 4), bias), _mm256_or_si256(_mm256_srli_epi16(raw1, 4), bias));
-}
 #else
 #error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 (with FMA and F16C) without AVX-512"
 #endif
-
-inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
 
 // Asks for the cache lines of `bytes` bytes from p, ahead of their use
 inline void fetch(const void* p, int bytes) {
@@ -148,19 +142,16 @@ struct PairTiles {
   }
 };
 
-// 4-bit levels w, scales and mins sm (each tile and block: 16 scales, then 16 mins), x's rows as bf16 pairs,
-// sums of x's blocks sx (nb a row). A group's tiles lie block by block, so that the group is one stream.
+// An int4 weight: 4-bit levels w, scales and mins sm (each tile and block: 16 scales, then 16 mins), nb blocks
+// of 32 inputs a row. A group's tiles lie block by block, so that the group is one stream.
 template <typename Scale>
-struct Int4Tiles {
-  static constexpr int MAX_ROWS = 4;
+struct Int4Weight {
   static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
   static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 8 chunks of 32 bytes
   // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
   // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
   // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
   static constexpr int64_t AHEAD = 4;
-  const uint32_t* x;
-  const float* sx;
   const uint8_t* w;
   const Scale* sm;
   int64_t nb;
@@ -174,9 +165,24 @@ struct Int4Tiles {
     fetch(w + piece * TILE_BYTES, NT * TILE_BYTES);
     fetch(sm + piece * 2 * TILE, NT * 2 * TILE * int(sizeof(Scale)));
   }
+  // tile t0 + t's levels, scales and mins for block b, in a group of NT tiles from tile t0
+  const uint8_t* levels(int64_t t0, int64_t b, int NT, int t) const { return w + (t0 * nb + b * NT + t) * TILE_BYTES; }
+  const Scale* scales(int64_t t0, int64_t b, int NT, int t) const { return sm + (t0 * nb + b * NT + t) * 2 * TILE; }
+};
+
+#ifdef __AVX512BF16__
+inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
+
+// ... times x's rows as bf16 pairs, with the sums of x's blocks sx (nb a row)
+template <typename Scale>
+struct Int4Tiles : Int4Weight<Scale> {
+  static constexpr int MAX_ROWS = 4;
+  const uint32_t* x;
+  const float* sx;
 
   template <int R, int NT>
   void tiles(int64_t r0, int64_t t0) const {
+    const int64_t nb = this->nb;
     const Vec minus128 = set1(-128.f);
     const uint32_t* xr = x + r0 * nb * 16;
     const float* sxr = sx + r0 * nb;
@@ -184,7 +190,7 @@ struct Int4Tiles {
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
-      if (r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes of a group find it in cache
+      if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
       Vec d[NT][R];  // a block's sums, each row's added in the same order whatever the rows
       for (int t = 0; t < NT; t++)
         for (int r = 0; r < R; r++) d[t][r] = zero();
@@ -196,20 +202,99 @@ struct Int4Tiles {
         }
         for (int t = 0; t < NT; t++) {
           Pairs lo, hi;
-          nibble_pairs(w + (t0 * nb + b * NT + t) * TILE_BYTES + c * 32, lo, hi);
+          nibble_pairs(this->levels(t0, b, NT, t) + c * 32, lo, hi);
           for (int r = 0; r < R; r++) d[t][r] = dot(dot(d[t][r], lo, xs[r][0]), hi, xs[r][1]);
         }
       }
       for (int t = 0; t < NT; t++) {
-        const Scale* q = sm + (t0 * nb + b * NT + t) * 2 * TILE;
+        const Scale* q = this->scales(t0, b, NT, t);
         const Vec s = load16(q), m = fmadd(minus128, s, load16(q + TILE));
         for (int r = 0; r < R; r++) acc[t][r] = fmadd(m, set1(sxr[r * nb + b]), fmadd(d[t][r], s, acc[t][r]));
       }
     }
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) store(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
+      for (int r = 0; r < R; r++) store(this->y + (r0 + r) * this->n + (t0 + t) * TILE, acc[t][r]);
   }
 };
+#else
+// With AVX2, int4 products in integers, as llama.cpp makes them against a Q4 weight: each row's block of 32 inputs
+// rounded to int8 against its largest magnitude (x ~ xs xq, round_blocks), and one vpmaddubsw multiplying 16
+// outputs' levels by two inputs' xq and adding the pairs in int16 (exact: 4 chunks' sums stay within int16): the
+// product of the weight and x so rounded, a block's part of y s xs sum q xq + m xs sum xq. Without bf16 pairs, the
+// exact fp32 form took four multiply-adds and about 18 more instructions to convert a chunk's levels
+// (benchmarks/RESULTS.md, "Int4 products in integers on AVX2").
+template <typename Scale>
+struct Int4Bytes : Int4Weight<Scale> {
+  static constexpr int MAX_ROWS = 1;  // a tile's 16 sums are two registers; four tiles' fill half of AVX2's 16
+  const int8_t* xq;  // (M, K): each block of each row rounded to int8
+  const float* xs;   // (M, nb): the blocks' scales
+  const float* sx;   // (M, nb): the rounded blocks' sums, xs sum xq
+
+  template <int R, int NT>
+  void tiles(int64_t r0, int64_t t0) const {
+    static_assert(R == 1);
+    const int64_t nb = this->nb;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int8_t* x = xq + r0 * nb * 16 * 32;
+    Vec acc[NT];
+    for (int t = 0; t < NT; t++) acc[t] = zero();
+    for (int64_t b = 0; b < nb; b++) {
+      if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
+      const Vec scale = set1(xs[r0 * nb + b]), sum = set1(sx[r0 * nb + b]);
+      for (int t = 0; t < NT; t++) {
+        const uint8_t* levels = this->levels(t0, b, NT, t);
+        const Scale* q = this->scales(t0, b, NT, t);
+        const Vec s = mul(load16(q), scale);
+        acc[t] = fmadd(load16(q + TILE), sum, acc[t]);
+        for (int half = 0; half < 2; half++) {  // 4 chunks of 16 outputs x 4 inputs: at most 4 * 4 * 15 * 127 a sum
+          __m256i d = _mm256_setzero_si256();
+          for (int c = 4 * half; c < 4 * half + 4; c++) {  // inputs 4c, 4c + 1 (low nibbles), 4c + 2, 4c + 3 (high)
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + 32 * c));
+            const __m256i* pair = reinterpret_cast<const __m256i*>(x + (b * 16 + 2 * c) * 32);
+            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), _mm256_loadu_si256(pair)));
+            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble),
+                                                          _mm256_loadu_si256(pair + 1)));
+          }
+          const Vec dv = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(d))),
+                          _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(d, 1)))};
+          acc[t] = fmadd(dv, s, acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; t++) store(this->y + r0 * this->n + (t0 + t) * TILE, acc[t]);
+  }
+};
+
+// x's rows (M, K bf16) rounded to int8 a block of 32 at a time, against the block's largest magnitude: xq = x * (127
+// / largest) rounded to the nearest (ties to even), its scale xs = largest / 127, and the rounded block's sum xs sum
+// xq (0s for a block of zeros)
+inline void round_blocks(const at::BFloat16* x, int64_t blocks, int8_t* xq, float* xs, float* sx) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packing's lanes back in order
+  for (int64_t i = 0; i < blocks; i++) {
+    const Vec a = load16(x + 32 * i), b = load16(x + 32 * i + 16);
+    const __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)),
+                                     _mm256_max_ps(_mm256_and_ps(b.lo, magnitude), _mm256_and_ps(b.hi, magnitude)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const __m256 to = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+    __m256i q[4];
+    int i4 = 0;
+    for (const __m256 part : {a.lo, a.hi, b.lo, b.hi}) q[i4++] = _mm256_cvtps_epi32(_mm256_mul_ps(part, to));
+    const __m256i p0 = _mm256_packs_epi32(q[0], q[1]), p1 = _mm256_packs_epi32(q[2], q[3]);
+    alignas(32) int16_t pairs[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order));
+    for (int p = 0; p < 16; p++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + (16 * i + p) * 32), _mm256_set1_epi16(pairs[p]));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    xs[i] = largest / 127.f;
+    sx[i] = xs[i] * float(_mm_cvtsi128_si32(t));
+  }
+}
+#endif
 
 // One pass: rows r0 .. r0 + rows (at most Kind::MAX_ROWS) by the nt tiles of the group from tile t0
 template <typename Kind, int R = Kind::MAX_ROWS>
@@ -316,9 +401,17 @@ void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const int64_t M = x.size(0), nb = w.size(1);
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
   std::vector<float> sx(M * nb);  // each row's sum of each block of x
+  const Int4Weight<Scale> weight{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
+                                 y.size(1)};
+#ifdef __AVX512BF16__
   for (int64_t i = 0; i < M * nb; i++) sx[i] = sum32(xb + i * 32);
-  const Int4Tiles<Scale> kind{pairs(x), sx.data(), w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb,
-                              w.size(0) * nb, y.data_ptr<float>(), y.size(1)};
+  const Int4Tiles<Scale> kind{weight, pairs(x), sx.data()};
+#else
+  std::vector<int8_t> xq(M * nb * 16 * 32);
+  std::vector<float> xs(M * nb);
+  round_blocks(xb, M * nb, xq.data(), xs.data(), sx.data());
+  const Int4Bytes<Scale> kind{weight, xq.data(), xs.data(), sx.data()};
+#endif
   products(kind, M, w.size(0));
 }
 

@@ -171,23 +171,38 @@ def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tenso
     return m, dequantize_int4(m.weight, m.scales, m.mins)[:, :k]
 
 
+def as_the_int4_kernel_takes(x: torch.Tensor, padded_in: int) -> torch.Tensor:
+    """x as cpu_linear.cpp's int4 products multiply it: where cpu_decode.int4_rounds_activations, each block of 32
+    inputs (of x zero-padded to padded_in) rounded to int8 against its largest magnitude, ties to even; else x."""
+    if not cpu_decode.int4_rounds_activations():
+        return x.float()
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, padded_in - k)).unflatten(-1, (-1, 32))
+    largest = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (127 / largest is 127 times largest's reciprocal, rounded twice)
+    levels = torch.round(blocks * torch.where(largest > 0, torch.tensor(127.0) / largest, 0))
+    return (levels * (largest / 127)).flatten(-2)[..., :k]
+
+
 @pytest.mark.parametrize("kernel,groupsize,n,k", int4_cases())
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
     m.pack(kernel)
-    for M in (1, 3, 6):  # cpu_linear.cpp: 6 rows in two passes over the weight, of 4 rows and 2
+    for M in (1, 3, 6):  # cpu_linear.cpp: 6 rows in two passes over the weight, of 4 rows and 2 (AVX2: 1 a pass)
         x = torch.randn(1, M, k).bfloat16()
         with torch.no_grad():
             y = m(x)
         assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
-        assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
+        x_taken = as_the_int4_kernel_takes(x, m.padded_in) if kernel == "cpu-tiles" else x.float()
+        assert rel_err(y, F.linear(x_taken, w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
 
 
 @pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     """cpu_linear.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
-    as PyTorch's int4 kernels take them: its products are the dequantized weight's to fp32's precision."""
+    as PyTorch's int4 kernels take them: its products are the dequantized weight's to fp32's precision (with
+    x as it takes it: on AVX2, rounded to int8 a block of 32 at a time)."""
     n, k, g = 64, 256, 32
     m = Int4Linear(k, n, g, dtype=dtype)
     m.weight.copy_(pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)))
@@ -198,7 +213,7 @@ def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     x = torch.randn(5, k).bfloat16()
     with torch.no_grad():
         y = quantize.int4_matmul(m.kernel, x, m.weight, g, m.scales_and_zeros)
-    assert rel_err(y, F.linear(x.float(), w_ref)) < 1e-5
+    assert rel_err(y, F.linear(as_the_int4_kernel_takes(x, k), w_ref)) < 1e-5
 
 
 @pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
