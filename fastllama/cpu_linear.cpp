@@ -235,7 +235,7 @@ struct Int4Bytes : Int4Weight<Scale> {
     static_assert(R == 1);
     const int64_t nb = this->nb;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const int8_t* x = xq + r0 * nb * 16 * 32;
+    const int8_t* x = xq + r0 * nb * this->BLOCK;
     Vec acc[NT];
     for (int t = 0; t < NT; t++) acc[t] = zero();
     for (int64_t b = 0; b < nb; b++) {
@@ -250,10 +250,12 @@ struct Int4Bytes : Int4Weight<Scale> {
           __m256i d = _mm256_setzero_si256();
           for (int c = 4 * half; c < 4 * half + 4; c++) {  // inputs 4c, 4c + 1 (low nibbles), 4c + 2, 4c + 3 (high)
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + 32 * c));
-            const __m256i* pair = reinterpret_cast<const __m256i*>(x + (b * 16 + 2 * c) * 32);
-            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), _mm256_loadu_si256(pair)));
+            int16_t x01, x23;  // inputs 4c, 4c + 1 and 4c + 2, 4c + 3, one pair for every output
+            std::memcpy(&x01, x + b * this->BLOCK + 4 * c, 2);
+            std::memcpy(&x23, x + b * this->BLOCK + 4 * c + 2, 2);
+            d = _mm256_add_epi16(d, _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), _mm256_set1_epi16(x01)));
             d = _mm256_add_epi16(d, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble),
-                                                          _mm256_loadu_si256(pair + 1)));
+                                                          _mm256_set1_epi16(x23)));
           }
           const Vec dv = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(d))),
                           _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(d, 1)))};
@@ -283,9 +285,7 @@ inline void round_blocks(const at::BFloat16* x, int64_t blocks, int8_t* xq, floa
     int i4 = 0;
     for (const __m256 part : {a.lo, a.hi, b.lo, b.hi}) q[i4++] = _mm256_cvtps_epi32(_mm256_mul_ps(part, to));
     const __m256i p0 = _mm256_packs_epi32(q[0], q[1]), p1 = _mm256_packs_epi32(q[2], q[3]);
-    alignas(32) int16_t pairs[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order));
-    for (int p = 0; p < 16; p++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + (16 * i + p) * 32), _mm256_set1_epi16(pairs[p]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * i), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order));
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -407,7 +407,7 @@ void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   for (int64_t i = 0; i < M * nb; i++) sx[i] = sum32(xb + i * 32);
   const Int4Tiles<Scale> kind{weight, pairs(x), sx.data()};
 #else
-  std::vector<int8_t> xq(M * nb * 16 * 32);
+  std::vector<int8_t> xq(M * nb * 32);
   std::vector<float> xs(M * nb);
   round_blocks(xb, M * nb, xq.data(), xs.data(), sx.data());
   const Int4Bytes<Scale> kind{weight, xq.data(), xs.data(), sx.data()};
