@@ -221,8 +221,8 @@ struct Int4Tiles : Int4Weight<Scale> {
 // rounded to int8 against its largest magnitude (x ~ xs xq, round_blocks), and one vpmaddubsw multiplying 16
 // outputs' levels by two inputs' xq and adding the pairs in int16 (exact: 4 chunks' sums stay within int16): the
 // product of the weight and x so rounded, a block's part of y s xs sum q xq + m xs sum xq. Without bf16 pairs, the
-// exact fp32 form took four multiply-adds and about 18 more instructions to convert a chunk's levels
-// (benchmarks/RESULTS.md, "Int4 products in integers on AVX2").
+// exact fp32 form spent 8 multiply-adds and about 18 more instructions on a chunk's 64 products of a row: 1.2-1.4x
+// slower (benchmarks/RESULTS.md, "Int4 products in integers on AVX2").
 template <typename Scale>
 struct Int4Bytes : Int4Weight<Scale> {
   static constexpr int MAX_ROWS = 1;  // a tile's 16 sums are two registers; four tiles' fill half of AVX2's 16
@@ -400,7 +400,7 @@ template <typename Scale>
 void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {
   const int64_t M = x.size(0), nb = w.size(1);
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  std::vector<float> sx(M * nb);  // each row's sum of each block of x
+  std::vector<float> sx(M * nb);  // each row's sum of each block of x (with AVX2, of x rounded)
   const Int4Weight<Scale> weight{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
                                  y.size(1)};
 #ifdef __AVX512BF16__
