@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastllama import generate as gen, tp
+from fastllama import cpu_decode, generate as gen, tp
 from fastllama.errors import UserError
 from fastllama.model import ModelArgs
 from shapes import shape
@@ -38,11 +38,16 @@ def test_three_ranks_match_one(case, sharded_results):
     key = list(sharded_results)[["fp32 bf16-weights", "bf16", "int8", "int4"].index(case)]
     precision, checkpoint = key.split(":", 1)
     single = run_case(checkpoint, precision)
+    tolerance = TOLERANCE[precision]
+    if case == "int4" and cpu_decode.int4_rounds_activations():
+        # AVX2's int4 kernel rounds activations to int8: a sum added in another order can move a value across a
+        # rounding boundary, a level (a part in 127 of its block's largest) where bf16 alone moves it an ulp
+        tolerance *= 2
     assert sharded_results[key]["local_heads"] == 3  # each rank held a third of the 9 heads
     for prompt in PROMPTS:
         logits, tokens = sharded_results[key][prompt]
         ref_logits, ref_tokens = single[prompt]
-        assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() <= TOLERANCE[precision]
+        assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item() <= tolerance
         if precision == "fp32" or prompt in CLEAR_MARGIN_PROMPTS:
             assert tokens.tolist() == ref_tokens.tolist(), (case, prompt)
 
