@@ -32,7 +32,7 @@ constexpr int64_t SERIAL = 1024;  // positions of all heads below which one thre
 constexpr int64_t SUMS = 256;     // positions an int32 sum of products takes, their weights rounded together
 // query rows that one pass over a chunk's keys and values serves, and the 16-element blocks of a value that a pass
 // of Rows rows over the values weighs: their sums fit the registers, 32 with AVX-512, 16 with AVX2 (ROWS x KEYS
-// Sums; Rows x WIDTH Vecs of two registers each, at most 12)
+// Sums; Rows x WIDTH Vecs, two registers each, at most 12)
 #if defined(__AVX512F__)
 constexpr int ROWS = 4;
 template <int Rows>

@@ -281,9 +281,9 @@ inline void round_blocks(const at::BFloat16* x, int64_t blocks, int8_t* xq, floa
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     const __m256 to = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+    const __m256 parts[4] = {a.lo, a.hi, b.lo, b.hi};
     __m256i q[4];
-    int i4 = 0;
-    for (const __m256 part : {a.lo, a.hi, b.lo, b.hi}) q[i4++] = _mm256_cvtps_epi32(_mm256_mul_ps(part, to));
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(parts[j], to));
     const __m256i p0 = _mm256_packs_epi32(q[0], q[1]), p1 = _mm256_packs_epi32(q[2], q[3]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * i), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order));
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
