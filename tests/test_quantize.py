@@ -188,7 +188,7 @@ def as_the_int4_kernel_takes(x: torch.Tensor, padded_in: int) -> torch.Tensor:
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
     m.pack(kernel)
-    for M in (1, 3, 6):  # cpu_linear.cpp: 6 rows in two passes over the weight, of 4 rows and 2 (AVX2: 1 a pass)
+    for M in (1, 3, 6):  # cpu_linear.cpp: 6 rows in two passes over the weight, of 4 rows and 2
         x = torch.randn(1, M, k).bfloat16()
         with torch.no_grad():
             y = m(x)
