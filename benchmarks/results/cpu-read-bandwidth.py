@@ -1,18 +1,20 @@
 """What this machine's cores read from memory: a plain sum of 32-byte vectors over a buffer far larger than the
 caches, each thread its own contiguous part (an extension built here, AVX2), on 1 and on all threads, median of
-15 passes; and PyTorch's large copy (bytes read plus written, as scripts/benchmark.py's copy_bandwidth_gbs counts
-them) beside it. The products and the attention of a decode step read their bytes against this.
+15 passes; and scripts/benchmark.py's copy_bandwidth_gbs (a large copy, bytes read plus written, median of 5)
+beside it. The products and the attention of a decode step read their bytes against this.
 
     python benchmarks/results/cpu-read-bandwidth.py [MiB]
 """
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch.utils import cpp_extension
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from benchmark import copy_bandwidth_gbs, timed  # noqa: E402
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -47,21 +49,17 @@ with tempfile.TemporaryDirectory() as tmp:
                        extra_cflags=["-O3", "-mavx2", "-fopenmp"], is_python_module=False)
 
 buf = torch.ones((int(sys.argv[1]) if len(sys.argv) > 1 else 512) << 20, dtype=torch.uint8)
-dst = torch.empty_like(buf)
 
 
-def gbs(f, nbytes):
-    f()
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+def read_gbs():
+    def read():
+        return torch.ops.read_bandwidth.read_sum(buf)
+    read()
+    return buf.numel() / statistics.median(timed(read, "cpu") for _ in range(15)) / 1e9
 
 
 threads = torch.get_num_threads()
 for n in sorted({1, threads}):
     torch.set_num_threads(n)
-    print(f"{n} thread{'s' if n > 1 else ''}: read {gbs(lambda: torch.ops.read_bandwidth.read_sum(buf), buf.numel()):.1f} GB/s, "
-          f"copy {gbs(lambda: dst.copy_(buf), 2 * buf.numel()):.1f} GB/s (read + written), {buf.numel() >> 20} MiB")
+    print(f"{n} thread{'s' if n > 1 else ''}: read {read_gbs():.1f} GB/s, "
+          f"copy {copy_bandwidth_gbs('cpu', buf.numel()):.1f} GB/s (read + written), {buf.numel() >> 20} MiB")
