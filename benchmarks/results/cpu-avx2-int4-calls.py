@@ -1,0 +1,113 @@
+"""Where a one-row step's int4 products spend their time: the kernel, or the calls. Every int4 linear of a checkpoint
+(the bundled model's: 120), one row, in four forms, in turn (rounds; medians, and the median of the
+rounds' ratios of each form to the one before):
+
+- called from Python one at a time, as the wrapper of a compiled step calls them (torch.ops.fastllama.int4_rows);
+- the same kernel called for all of them from one C++ loop (no Python between the products);
+- a plain sum of the same bytes (levels and scales: 240 tensors) from one C++ loop, each tensor split between the
+  threads as the kernel splits a product;
+- a plain sum of one buffer holding those bytes.
+
+The C++ loops are built here from the working tree's cpu_linear.cpp, with the two loops added, under an op namespace
+of their own.
+
+    python benchmarks/results/cpu-avx2-int4-calls.py CHECKPOINT [rounds]
+"""
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+root = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(root))  # the repo's modules, installed or not
+from fastllama import generate  # noqa: E402
+
+LOOPS = r"""
+namespace {
+at::Tensor int4_each(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& sms) {
+  at::Tensor y;
+  for (size_t i = 0; i < ws.size(); i++) y = int4_rows(x.narrow(1, 0, ws[i].size(1) * 32).contiguous(), ws[i], sms[i]);
+  return y;
+}
+
+int64_t read_each(const std::vector<at::Tensor>& ts) {
+  int64_t total = 0;
+  for (const at::Tensor& t : ts) {
+    const uint8_t* p = t.data_ptr<uint8_t>();
+    std::vector<int64_t> part(at::get_num_threads(), 0);
+    at::parallel_for(0, t.numel() / 64, 1, [&](int64_t begin, int64_t end) {
+      __m256i a = _mm256_setzero_si256(), b = a;
+      for (int64_t i = begin; i < end; i++) {
+        a = _mm256_add_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i)));
+        b = _mm256_add_epi32(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32)));
+      }
+      part[at::get_thread_num()] += _mm256_extract_epi32(_mm256_add_epi32(a, b), 0);
+    });
+    for (int64_t v : part) total += v;
+  }
+  return total;
+}
+}  // namespace
+
+TORCH_LIBRARY(fastllama_calls, m) {
+  m.def("int4_each(Tensor x, Tensor[] ws, Tensor[] sms) -> Tensor", &int4_each);
+  m.def("read_each(Tensor[] ts) -> int", &read_each);
+}
+"""
+
+torch.set_grad_enabled(False)
+checkpoint = sys.argv[1]
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 9
+model = generate.load_model(checkpoint, "cpu")  # builds the working tree's kernels (torch.ops.fastllama)
+linears = [m for m in model.modules() if getattr(m, "kernel", None) == "cpu-tiles" and hasattr(m, "scales_and_zeros")]
+
+with tempfile.TemporaryDirectory() as tmp:
+    source = (root / "fastllama" / "cpu_linear.cpp").read_text()
+    source = source.replace("(fastllama, m)", "(fastllama_calls_kernel, m)").replace(
+        "(fastllama, CPU, m)", "(fastllama_calls_kernel, CPU, m)")
+    (Path(tmp) / "cpu_linear.cpp").write_text(source + LOOPS)
+    (Path(tmp) / "cpu_vectors.h").write_text((root / "fastllama" / "cpu_vectors.h").read_text())
+    cpp_extension.load("fastllama_int4_calls", [str(Path(tmp) / "cpu_linear.cpp")],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, build_directory=tmp)
+
+ws, sms = [m.weight for m in linears], [m.scales_and_zeros for m in linears]
+pieces = [t.contiguous().view(torch.uint8).reshape(-1) for m in linears for t in (m.weight, m.scales_and_zeros)]
+one = torch.cat(pieces)
+x = torch.randn(1, max(m.in_features for m in linears), dtype=torch.bfloat16)
+xs = {m.in_features: x[:, :m.in_features].contiguous() for m in linears}
+op, calls = torch.ops.fastllama.int4_rows, torch.ops.fastllama_calls
+assert torch.equal(calls.int4_each(x, ws[-1:], sms[-1:]), op(xs[linears[-1].in_features], ws[-1], sms[-1]))
+forms = {
+    "int4 products, a call each from Python": lambda: [op(xs[m.in_features], m.weight, m.scales_and_zeros)
+                                                       for m in linears],
+    "int4 products, one C++ loop": lambda: calls.int4_each(x, ws, sms),
+    "plain sum of the same 240 tensors, one C++ loop": lambda: calls.read_each(pieces),
+    "plain sum of one buffer of those bytes": lambda: calls.read_each([one]),
+}
+
+
+def ms(f, passes=5):
+    f()
+    start = time.perf_counter()
+    for _ in range(passes):
+        f()
+    return (time.perf_counter() - start) / passes * 1e3
+
+
+times = {name: [] for name in forms}
+for _ in range(rounds):
+    for name, f in forms.items():
+        times[name].append(ms(f))
+print(f"{len(linears)} int4 linears, {one.numel() / 1e6:.1f} MB of levels and scales; one row; "
+      f"{torch.get_num_threads()} threads, {rounds} rounds")
+names = list(times)
+for i, name in enumerate(names):
+    t = times[name]
+    line = f"{name}: {statistics.median(t):.2f} ms ({one.numel() / statistics.median(t) / 1e6:.1f} GB/s; {min(t):.2f}-{max(t):.2f})"
+    if i:  # the rounds' own ratios: the machine's spells fall on both forms of a round
+        line += f"; the form above takes {statistics.median(a / b for a, b in zip(times[names[i - 1]], t)):.2f}x its time"
+    print(line)
