@@ -1,11 +1,11 @@
 """Where a one-row step's int4 products spend their time: the kernel, or the calls. Every int4 linear of a checkpoint
-(the bundled model's: 120), one row, in four forms, in turn (rounds; medians, and the median of the
-rounds' ratios of each form to the one before):
+(the bundled model's: 120), one row, in four forms, in turn (rounds; medians, and the median of the rounds' ratios of
+each form to the one before):
 
 - called from Python one at a time, as the wrapper of a compiled step calls them (torch.ops.fastllama.int4_rows);
 - the same kernel called for all of them from one C++ loop (no Python between the products);
-- a plain sum of the same bytes (levels and scales: 240 tensors) from one C++ loop, each tensor split between the
-  threads as the kernel splits a product;
+- a plain sum of the same bytes (levels and scales: two tensors a linear) from one C++ loop, each tensor split
+  between the threads as the kernel splits a product;
 - a plain sum of one buffer holding those bytes.
 
 The C++ loops are built here from the working tree's cpu_linear.cpp, with the two loops added, under an op namespace
@@ -85,7 +85,7 @@ forms = {
     "int4 products, a call each from Python": lambda: [op(xs[m.in_features], m.weight, m.scales_and_zeros)
                                                        for m in linears],
     "int4 products, one C++ loop": lambda: calls.int4_each(x, ws, sms),
-    "plain sum of the same 240 tensors, one C++ loop": lambda: calls.read_each(pieces),
+    f"plain sum of the same {len(pieces)} tensors, one C++ loop": lambda: calls.read_each(pieces),
     "plain sum of one buffer of those bytes": lambda: calls.read_each([one]),
 }
 
@@ -107,7 +107,9 @@ print(f"{len(linears)} int4 linears, {one.numel() / 1e6:.1f} MB of levels and sc
 names = list(times)
 for i, name in enumerate(names):
     t = times[name]
-    line = f"{name}: {statistics.median(t):.2f} ms ({one.numel() / statistics.median(t) / 1e6:.1f} GB/s; {min(t):.2f}-{max(t):.2f})"
+    line = (f"{name}: {statistics.median(t):.2f} ms ({one.numel() / statistics.median(t) / 1e6:.1f} GB/s; "
+            f"{min(t):.2f}-{max(t):.2f})")
     if i:  # the rounds' own ratios: the machine's spells fall on both forms of a round
-        line += f"; the form above takes {statistics.median(a / b for a, b in zip(times[names[i - 1]], t)):.2f}x its time"
+        ratio = statistics.median(a / b for a, b in zip(times[names[i - 1]], t))
+        line += f"; the form above takes {ratio:.2f}x its time"
     print(line)
