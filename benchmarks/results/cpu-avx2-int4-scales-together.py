@@ -8,7 +8,6 @@ alternating order; a round's time the mean of 30 steps, and the medians of the r
 import statistics
 import sys
 import time
-
 from pathlib import Path
 
 import torch
