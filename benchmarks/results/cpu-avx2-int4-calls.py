@@ -8,11 +8,12 @@ each form to the one before):
   between the threads as the kernel splits a product;
 - a plain sum of one buffer holding those bytes.
 
-The C++ loops are built here from the working tree's cpu_linear.cpp, with the two loops added, under an op namespace
-of their own.
+The kernel's loop is built here from the working tree's cpu_linear.cpp, with the loop added, under an op namespace
+of its own; the plain sums are cpu-read-bandwidth.py's.
 
     python benchmarks/results/cpu-avx2-int4-calls.py CHECKPOINT [rounds]
 """
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -26,38 +27,24 @@ root = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(root))  # the repo's modules, installed or not
 from fastllama import generate  # noqa: E402
 
-LOOPS = r"""
+LOOP = r"""
 namespace {
 at::Tensor int4_each(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& sms) {
   at::Tensor y;
   for (size_t i = 0; i < ws.size(); i++) y = int4_rows(x.narrow(1, 0, ws[i].size(1) * 32).contiguous(), ws[i], sms[i]);
   return y;
 }
-
-int64_t read_each(const std::vector<at::Tensor>& ts) {
-  int64_t total = 0;
-  for (const at::Tensor& t : ts) {
-    const uint8_t* p = t.data_ptr<uint8_t>();
-    std::vector<int64_t> part(at::get_num_threads(), 0);
-    at::parallel_for(0, t.numel() / 64, 1, [&](int64_t begin, int64_t end) {
-      __m256i a = _mm256_setzero_si256(), b = a;
-      for (int64_t i = begin; i < end; i++) {
-        a = _mm256_add_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i)));
-        b = _mm256_add_epi32(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32)));
-      }
-      part[at::get_thread_num()] += _mm256_extract_epi32(_mm256_add_epi32(a, b), 0);
-    });
-    for (int64_t v : part) total += v;
-  }
-  return total;
-}
 }  // namespace
 
 TORCH_LIBRARY(fastllama_calls, m) {
   m.def("int4_each(Tensor x, Tensor[] ws, Tensor[] sms) -> Tensor", &int4_each);
-  m.def("read_each(Tensor[] ts) -> int", &read_each);
 }
 """
+
+spec = importlib.util.spec_from_file_location("read_bandwidth", Path(__file__).with_name("cpu-read-bandwidth.py"))
+read_bandwidth = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(read_bandwidth)
+read_sum = read_bandwidth.build()
 
 torch.set_grad_enabled(False)
 checkpoint = sys.argv[1]
@@ -69,7 +56,7 @@ with tempfile.TemporaryDirectory() as tmp:
     source = (root / "fastllama" / "cpu_linear.cpp").read_text()
     source = source.replace("(fastllama, m)", "(fastllama_calls_kernel, m)").replace(
         "(fastllama, CPU, m)", "(fastllama_calls_kernel, CPU, m)")
-    (Path(tmp) / "cpu_linear.cpp").write_text(source + LOOPS)
+    (Path(tmp) / "cpu_linear.cpp").write_text(source + LOOP)
     (Path(tmp) / "cpu_vectors.h").write_text((root / "fastllama" / "cpu_vectors.h").read_text())
     cpp_extension.load("fastllama_int4_calls", [str(Path(tmp) / "cpu_linear.cpp")],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, build_directory=tmp)
@@ -85,8 +72,8 @@ forms = {
     "int4 products, a call each from Python": lambda: [op(xs[m.in_features], m.weight, m.scales_and_zeros)
                                                        for m in linears],
     "int4 products, one C++ loop": lambda: calls.int4_each(x, ws, sms),
-    f"plain sum of the same {len(pieces)} tensors, one C++ loop": lambda: calls.read_each(pieces),
-    "plain sum of one buffer of those bytes": lambda: calls.read_each([one]),
+    f"plain sum of the same {len(pieces)} tensors, one C++ loop": lambda: read_sum(pieces),
+    "plain sum of one buffer of those bytes": lambda: read_sum([one]),
 }
 
 
