@@ -772,26 +772,29 @@ def gptq_int4(w: Tensor, hessian: Tensor, groupsize: int, blocksize: int = 128, 
     H.diagonal().add_(damping * H.diagonal().mean())  # keeps H invertible and the updates tame
     # the upper Cholesky factor of H^-1 gives each column's update row in order
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    levels = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.zeros(n, k // groupsize, dtype=torch.bfloat16)
+    # w's columns, rounded one at a time, as the rows of a transposed copy: each one contiguous, not k
+    # numbers apart (benchmarks/RESULTS.md, "GPTQ's columns as rows")
+    wt = w.T.contiguous()
+    levels = torch.zeros(k, n, dtype=torch.uint8)
+    scales = torch.zeros(k // groupsize, n, dtype=torch.bfloat16)
     mins = torch.zeros_like(scales)
     blocksize = max(blocksize, groupsize)  # a group's parameters are set from columns of one block
     for b0 in range(0, k, blocksize):
         b1 = min(b0 + blocksize, k)
-        wb, hb = w[:, b0:b1], h_inv[b0:b1, b0:b1]  # wb is a view: updates land in w
-        errors = torch.zeros(n, b1 - b0)
+        wb, hb = wt[b0:b1], h_inv[b0:b1, b0:b1]  # wb is a view: updates land in wt
+        errors = torch.zeros(b1 - b0, n)
         for j in range(b1 - b0):
             col = b0 + j
             if col % groupsize == 0:  # parameters from the group's columns as already updated
-                s, m = int4_group_params(wb[:, j: j + groupsize], groupsize)
-                scales[:, col // groupsize], mins[:, col // groupsize] = s[:, 0].bfloat16(), m[:, 0].bfloat16()
-            s, m = scales[:, col // groupsize].float(), mins[:, col // groupsize].float()
-            q = torch.round((wb[:, j] - m) / s).clamp(0, 15)
-            levels[:, col] = q.to(torch.uint8)
-            errors[:, j] = (wb[:, j] - (q * s + m)) / hb[j, j]
-            wb[:, j:] -= errors[:, j: j + 1] * hb[j: j + 1, j:]
-        w[:, b1:] -= errors @ h_inv[b0:b1, b1:]
-    return pack_int4(levels), scales, mins
+                s, m = int4_group_params(wb[j: j + groupsize].T, groupsize)
+                scales[col // groupsize], mins[col // groupsize] = s[:, 0].bfloat16(), m[:, 0].bfloat16()
+            s, m = scales[col // groupsize].float(), mins[col // groupsize].float()
+            q = torch.round((wb[j] - m) / s).clamp(0, 15)
+            levels[col] = q.to(torch.uint8)
+            errors[j] = (wb[j] - (q * s + m)) / hb[j, j]
+            wb[j:].addr_(hb[j, j:], errors[j], alpha=-1)
+        wt[b1:] -= h_inv[b0:b1, b1:].T @ errors
+    return pack_int4(levels.T.contiguous()), scales.T.contiguous(), mins.T.contiguous()
 
 
 def calibration_tokens(checkpoint_dir: Path, calibration_file: Path | None, n_tokens: int) -> Tensor:
