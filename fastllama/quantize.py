@@ -764,17 +764,16 @@ class GPTQ:
 def gptq_int4(w: Tensor, hessian: Tensor, groupsize: int, blocksize: int = 128, damping: float = 0.01
               ) -> tuple[Tensor, Tensor, Tensor]:
     """w (n, k) -> packed levels, scales and mins as rtn_int4 gives, rounded GPTQ's way."""
-    w, H = w.clone().float(), hessian.clone().double()
     n, k = w.shape
+    # w's columns, rounded one at a time, as the rows of a transposed copy: each one contiguous, not k
+    # numbers apart (benchmarks/RESULTS.md, "GPTQ's columns as rows")
+    wt, H = w.T.float().clone(memory_format=torch.contiguous_format), hessian.clone().double()
     dead = H.diagonal() == 0  # inputs that were always zero (padding, say): their weights do not matter
     H[dead, dead] = 1
-    w[:, dead] = 0
+    wt[dead] = 0
     H.diagonal().add_(damping * H.diagonal().mean())  # keeps H invertible and the updates tame
     # the upper Cholesky factor of H^-1 gives each column's update row in order
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    # w's columns, rounded one at a time, as the rows of a transposed copy: each one contiguous, not k
-    # numbers apart (benchmarks/RESULTS.md, "GPTQ's columns as rows")
-    wt = w.T.contiguous()
     levels = torch.zeros(k, n, dtype=torch.uint8)
     scales = torch.zeros(k // groupsize, n, dtype=torch.bfloat16)
     mins = torch.zeros_like(scales)
