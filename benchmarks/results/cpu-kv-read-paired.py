@@ -32,12 +32,6 @@ args = bd.model_arguments("").parse_args(["--checkpoint_path", cli.gguf])
 first, deeper = cli.depths[0], cli.depths[1:]
 
 
-def position_bytes(model, kv):  # a position's keys and values in every layer, with an int8 cache's bf16 scales
-    c = model.config
-    per_head = c.head_dim * (2 if kv == "bf16" else 1) + (0 if kv == "bf16" else 2)
-    return c.n_layer * c.n_local_heads * 2 * per_head
-
-
 print(f"{cli.gguf}, {torch.get_num_threads()} threads, {cli.pairs} pairs of steps (depth {first}, then the deeper one)")
 for kv in cli.formats.split(","):
     torch.manual_seed(0)
@@ -60,10 +54,10 @@ for kv in cli.formats.split(","):
             shallow.append(timed(first))
             deep.append(timed(depth))
         beyond = sorted(d - s for s, d in zip(shallow, deep))
-        gone = position_bytes(model, kv) * (depth - first)
+        # the cache bytes beyond the first depth's, as benchmark_depths.py counts them (scales included)
+        gone = bd.bytes_read_per_step(model, depth, 1) - bd.bytes_read_per_step(model, first, 1)
         rates = sorted(gone / (x * 1e-3) / 1e9 for x in beyond if x > 0)
-        q1, _, q3 = statistics.quantiles(rates, n=4)
+        (b1, b2, b3), (q1, _, q3) = statistics.quantiles(beyond, n=4), statistics.quantiles(rates, n=4)
         print(f"{kv} cache, depth {first} / {depth}: {statistics.median(shallow):.2f} / {statistics.median(deep):.2f} ms, "
-              f"beyond {statistics.median(beyond):.3f} ms (quartiles {statistics.quantiles(beyond, n=4)[0]:.3f}-"
-              f"{statistics.quantiles(beyond, n=4)[2]:.3f}): KV GB/s {gone / (statistics.median(beyond) * 1e-3) / 1e9:.1f} "
+              f"beyond {b2:.3f} ms (quartiles {b1:.3f}-{b3:.3f}): KV GB/s {gone / (b2 * 1e-3) / 1e9:.1f} "
               f"(pairs' quartiles {q1:.1f}-{q3:.1f}; {len(beyond) - len(rates)} pairs not slower)", flush=True)
