@@ -220,10 +220,10 @@ def int4_kernel():
 
 def int4_rounds_activations() -> bool:
     """Whether int4_kernel()'s products take x rounded to int8 a block of 32 inputs at a time, as llama.cpp's
-    products with a Q4 weight do: its AVX2 form, which multiplies in integers where the exact fp32 form was bound
-    by its arithmetic (benchmarks/RESULTS.md, "Int4 products in integers on AVX2"). With AVX-512 BF16 x stays
-    exact."""
-    return int4_kernel() is not None and not torch.cpu._is_avx512_bf16_supported()
+    products with a Q4 weight do: wherever it is built, since its products in integers take less time than the
+    exact forms, which were bound by their arithmetic (benchmarks/RESULTS.md, "Int4 products in integers on
+    AVX2", "Int4 products in integers on AVX-512"). PyTorch's int4 kernel takes x exact."""
+    return int4_kernel() is not None
 
 
 def int8_kernel():

@@ -19,13 +19,15 @@
 // fp32 of the levels converted), so prefill takes it too, and the plain layout is not kept.
 //
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
-// int4), laid out by quantize.int4_rows_layout. Against PyTorch's int4 kernel it takes 1.9x less time at many
-// rows (prefill), 1.5x at six (a verify step) and about the same at one (benchmarks/RESULTS.md, "Int4 products
-// of our own on CPU"). With AVX2 the products are in integers, x rounded to int8 (Int4Bytes, below). With AVX-512
-// BF16 x stays exact, and a level becomes a bf16 number without a conversion:
-// 0x4300 | q is 128 + q exactly, so a block's sum is d = sum x (128 + q), and its part of y is s d + (m - 128 s)
-// sum x, the sums of x a block computed once a call. The levels of two input pairs share a byte (low and high nibble), so one widening load
-// and two bit operations unpack 64 of them.
+// int4), laid out by quantize.int4_rows_layout. The products are in integers, as llama.cpp makes them against a Q4
+// weight: each row's block of 32 inputs rounded to int8 against its largest magnitude (x ~ xs xq, round_blocks), and
+// a block's part of y is s xs sum q xq + m xs sum xq, to fp32's precision. With AVX-512 one vpdpbusd multiplies a
+// tile's 16 outputs' levels by 4 inputs' xq and adds the 4 products into each output's int32 sum (64 products an
+// instruction, over levels that need no widening); with AVX2 vpmaddubsw adds pairs of products into int16, and
+// vpmaddwd adds the pairs into int32 once a block. The exact forms before them were bound by their arithmetic: on
+// AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes 1.17-1.36x less time at 1 to 512 rows, for
+// a perplexity 0.25% higher (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
+// in integers on AVX2").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -56,14 +58,6 @@ inline Vec dot(Vec acc, Pairs w, XPair x) { return _mm512_dpbf16_ps(acc, w, x); 
 inline Pairs pair_weights(const at::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
 inline Pairs pair_weights(const int8_t* p) {  // int8 levels converted to bf16 as read, exactly (8 significant bits)
   return _mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
-}
-// 32 bytes of 4-bit levels, two input pairs' (the low nibbles the first pair's, the high the second's), as bf16
-// numbers 128 + q without a conversion: 0x4300 | q is 128 + q exactly
-inline void nibble_pairs(const uint8_t* p, Pairs& first, Pairs& second) {
-  const __m512i low = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
-  const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  first = (Pairs)_mm512_ternarylogic_epi32(raw, low, bias, 0xEA);  // (raw & low) | bias
-  second = (Pairs)_mm512_or_si512(_mm512_srli_epi16(raw, 4), bias);
 }
 #elif !defined(__AVX512F__)
 struct Pairs {
@@ -147,7 +141,7 @@ struct PairTiles {
 template <typename Scale>
 struct Int4Weight {
   static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
-  static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 8 chunks of 32 bytes
+  static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 4 pieces of 64 bytes
   // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
   // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
   // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
@@ -170,63 +164,56 @@ struct Int4Weight {
   const Scale* scales(int64_t t0, int64_t b, int NT, int t) const { return sm + (t0 * nb + b * NT + t) * 2 * TILE; }
 };
 
-#ifdef __AVX512BF16__
-inline float sum32(const at::BFloat16* p) { return sum(add(load16(p), load16(p + 16))); }
+// A piece of an int4 weight (64 bytes: a tile's 16 outputs, 4 bytes each) and its products with 4 inputs' xq:
+// Levels, the low or the high nibbles of a piece as bytes; Dots, a block's sums of 16 outputs so far
+#if defined(__AVX512BF16__)
+#ifndef __AVX512VNNI__
+#error "cpu_linear.cpp's AVX-512 form needs AVX-512 VNNI (every CPU with AVX-512 BF16 has it)"
+#endif
+using Levels = __m512i;
+using Dots = __m512i;  // int32, one an output
 
-// ... times x's rows as bf16 pairs, with the sums of x's blocks sx (nb a row)
+inline void nibbles(const uint8_t* p, Levels& low, Levels& high) {
+  const __m512i raw = _mm512_loadu_si512(p), nibble = _mm512_set1_epi8(0x0F);
+  low = _mm512_and_si512(raw, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+}
+inline Dots no_dots() { return _mm512_setzero_si512(); }
+// output i's 4 levels (bytes 4i .. 4i + 3) times the 4 inputs' xq in x4, added to its sum
+inline Dots dot4(Dots d, Levels q, int32_t x4) { return _mm512_dpbusd_epi32(d, q, _mm512_set1_epi32(x4)); }
+inline Vec block_sums(Dots d) { return _mm512_cvtepi32_ps(d); }
+#else
+struct Levels {
+  __m256i lo, hi;  // outputs 0-7, 8-15
+};
+struct Dots {
+  __m256i lo, hi;  // int16, two an output: a block's sums stay within int16 (16 products of at most 15 x 127)
+};
+
+inline void nibbles(const uint8_t* p, Levels& low, Levels& high) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; h++) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+    (h ? low.hi : low.lo) = _mm256_and_si256(raw, nibble);
+    (h ? high.hi : high.lo) = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  }
+}
+inline Dots no_dots() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Dots dot4(Dots d, Levels q, int32_t x4) {  // pairs of products added in int16
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_add_epi16(d.lo, _mm256_maddubs_epi16(q.lo, x)), _mm256_add_epi16(d.hi, _mm256_maddubs_epi16(q.hi, x))};
+}
+inline Vec block_sums(Dots d) {  // each output's two int16 sums added into one int32
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_cvtepi32_ps(_mm256_madd_epi16(d.lo, ones)), _mm256_cvtepi32_ps(_mm256_madd_epi16(d.hi, ones))};
+}
+#endif
+
+// ... times x's rows rounded to int8 a block at a time (round_blocks). A pass of up to 4 rows unpacks each piece's
+// levels once for all of them: with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row
+// (benchmarks/RESULTS.md, "Int4 products of several rows on AVX2").
 template <typename Scale>
 struct Int4Tiles : Int4Weight<Scale> {
-  static constexpr int MAX_ROWS = 4;
-  const uint32_t* x;
-  const float* sx;
-
-  template <int R, int NT>
-  void tiles(int64_t r0, int64_t t0) const {
-    const int64_t nb = this->nb;
-    const Vec minus128 = set1(-128.f);
-    const uint32_t* xr = x + r0 * nb * 16;
-    const float* sxr = sx + r0 * nb;
-    Vec acc[NT][R];
-    for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) acc[t][r] = zero();
-    for (int64_t b = 0; b < nb; b++) {
-      if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
-      Vec d[NT][R];  // a block's sums, each row's added in the same order whatever the rows
-      for (int t = 0; t < NT; t++)
-        for (int r = 0; r < R; r++) d[t][r] = zero();
-      for (int c = 0; c < 8; c++) {  // input pairs 2c (low nibbles) and 2c + 1 (high nibbles) of the block
-        XPair xs[R][2];
-        for (int r = 0; r < R; r++) {
-          xs[r][0] = x_pair(xr[r * nb * 16 + b * 16 + 2 * c]);
-          xs[r][1] = x_pair(xr[r * nb * 16 + b * 16 + 2 * c + 1]);
-        }
-        for (int t = 0; t < NT; t++) {
-          Pairs lo, hi;
-          nibble_pairs(this->levels(t0, b, NT, t) + c * 32, lo, hi);
-          for (int r = 0; r < R; r++) d[t][r] = dot(dot(d[t][r], lo, xs[r][0]), hi, xs[r][1]);
-        }
-      }
-      for (int t = 0; t < NT; t++) {
-        const Scale* q = this->scales(t0, b, NT, t);
-        const Vec s = load16(q), m = fmadd(minus128, s, load16(q + TILE));
-        for (int r = 0; r < R; r++) acc[t][r] = fmadd(m, set1(sxr[r * nb + b]), fmadd(d[t][r], s, acc[t][r]));
-      }
-    }
-    for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) store(this->y + (r0 + r) * this->n + (t0 + t) * TILE, acc[t][r]);
-  }
-};
-#else
-// With AVX2, int4 products in integers, as llama.cpp makes them against a Q4 weight: each row's block of 32 inputs
-// rounded to int8 against its largest magnitude (x ~ xs xq, round_blocks), and one vpmaddubsw multiplying 16
-// outputs' levels by two inputs' xq and adding the pairs in int16 (exact: 4 chunks' sums stay within int16): the
-// product of the weight and x so rounded, a block's part of y s xs sum q xq + m xs sum xq. Without bf16 pairs, the
-// exact fp32 form spent 8 multiply-adds and about 18 more instructions on a chunk's 64 products of a row: 1.2-1.4x
-// slower (benchmarks/RESULTS.md, "Int4 products in integers on AVX2"). A pass of up to 4 rows unpacks each chunk's
-// levels once for all of them, and broadcasts each row's inputs once a block for all the group's tiles: 1.25-1.4x
-// less time at 4 and 8 rows than a pass a row ("Int4 products of several rows on AVX2").
-template <typename Scale>
-struct Int4Bytes : Int4Weight<Scale> {
   static constexpr int MAX_ROWS = 4;
   const int8_t* xq;  // (M, K): each block of each row rounded to int8
   const float* xs;   // (M, nb): the blocks' scales
@@ -235,40 +222,32 @@ struct Int4Bytes : Int4Weight<Scale> {
   template <int R, int NT>
   void tiles(int64_t r0, int64_t t0) const {
     const int64_t nb = this->nb, K = nb * this->BLOCK;
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     Vec acc[NT][R];
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
       if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
-      __m256i xb[R][8][2];  // each row's inputs 4c, 4c + 1 and 4c + 2, 4c + 3 of the block, a pair for every output
-      for (int r = 0; r < R; r++)
-        for (int c = 0; c < 8; c++) {
-          int16_t pair[2];
-          std::memcpy(pair, xq + (r0 + r) * K + b * this->BLOCK + 4 * c, 4);
-          xb[r][c][0] = _mm256_set1_epi16(pair[0]);
-          xb[r][c][1] = _mm256_set1_epi16(pair[1]);
+      Dots d[NT][R];  // integers: each row's the same whatever the rows of the pass
+      for (int t = 0; t < NT; t++)
+        for (int r = 0; r < R; r++) d[t][r] = no_dots();
+      for (int c = 0; c < 4; c++) {  // piece c: inputs 4c .. 4c + 3 (low nibbles) and 16 + 4c .. 16 + 4c + 3 (high)
+        int32_t low_x[R], high_x[R];
+        for (int r = 0; r < R; r++) {
+          std::memcpy(&low_x[r], xq + (r0 + r) * K + b * this->BLOCK + 4 * c, 4);
+          std::memcpy(&high_x[r], xq + (r0 + r) * K + b * this->BLOCK + 16 + 4 * c, 4);
         }
+        for (int t = 0; t < NT; t++) {
+          Levels low, high;
+          nibbles(this->levels(t0, b, NT, t) + 64 * c, low, high);
+          for (int r = 0; r < R; r++) d[t][r] = dot4(dot4(d[t][r], low, low_x[r]), high, high_x[r]);
+        }
+      }
       for (int t = 0; t < NT; t++) {
-        const uint8_t* levels = this->levels(t0, b, NT, t);
         const Scale* q = this->scales(t0, b, NT, t);
         const Vec s = load16(q), m = load16(q + TILE);
-        for (int r = 0; r < R; r++) acc[t][r] = fmadd(m, set1(sx[(r0 + r) * nb + b]), acc[t][r]);
-        for (int half = 0; half < 2; half++) {  // 4 chunks of 16 outputs x 4 inputs: at most 4 * 4 * 15 * 127 a sum
-          __m256i d[R];
-          for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
-          for (int c = 4 * half; c < 4 * half + 4; c++) {  // inputs 4c, 4c + 1 (low nibbles), 4c + 2, 4c + 3 (high)
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + 32 * c));
-            const __m256i low = _mm256_and_si256(raw, nibble), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-            for (int r = 0; r < R; r++)
-              d[r] = _mm256_add_epi16(_mm256_add_epi16(d[r], _mm256_maddubs_epi16(low, xb[r][c][0])),
-                                      _mm256_maddubs_epi16(high, xb[r][c][1]));
-          }
-          for (int r = 0; r < R; r++) {  // each row's sums in the order a pass of one row adds them
-            const Vec dv = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(d[r]))),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(d[r], 1)))};
-            acc[t][r] = fmadd(dv, mul(s, set1(xs[(r0 + r) * nb + b])), acc[t][r]);
-          }
+        for (int r = 0; r < R; r++) {
+          const int64_t at = (r0 + r) * nb + b;
+          acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[t][r]), mul(s, set1(xs[at])), acc[t][r]));
         }
       }
     }
@@ -277,25 +256,32 @@ struct Int4Bytes : Int4Weight<Scale> {
   }
 };
 
+// 8 bf16 numbers as fp32
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16bytes(p)), 16));
+}
+
 // x's rows (M, K bf16) rounded to int8 a block of 32 at a time, against the block's largest magnitude: xq = x * (127
 // / largest) rounded to the nearest (ties to even), its scale xs = largest / 127, and the rounded block's sum xs sum
-// xq (0s for a block of zeros)
+// xq (0s for a block of zeros). In 256-bit vectors with either kind of CPU: a call rounds a few KB.
 inline void round_blocks(const at::BFloat16* x, int64_t blocks, int8_t* xq, float* xs, float* sx) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packing's lanes back in order
   for (int64_t i = 0; i < blocks; i++) {
-    const Vec a = load16(x + 32 * i), b = load16(x + 32 * i + 16);
-    const __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)),
-                                     _mm256_max_ps(_mm256_and_ps(b.lo, magnitude), _mm256_and_ps(b.hi, magnitude)));
+    __m256 parts[4], big = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+      parts[j] = load8(x + 32 * i + 8 * j);
+      big = _mm256_max_ps(big, _mm256_and_ps(parts[j], magnitude));
+    }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     const __m256 to = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
-    const __m256 parts[4] = {a.lo, a.hi, b.lo, b.hi};
     __m256i q[4];
     for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(parts[j], to));
     const __m256i p0 = _mm256_packs_epi32(q[0], q[1]), p1 = _mm256_packs_epi32(q[2], q[3]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * i), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order));
+    const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 32 * i), packed);
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -304,7 +290,6 @@ inline void round_blocks(const at::BFloat16* x, int64_t blocks, int8_t* xq, floa
     sx[i] = xs[i] * float(_mm_cvtsi128_si32(t));
   }
 }
-#endif
 
 // One pass: rows r0 .. r0 + rows (at most Kind::MAX_ROWS) by the nt tiles of the group from tile t0
 template <typename Kind, int R = Kind::MAX_ROWS>
@@ -409,19 +394,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 template <typename Scale>
 void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {
   const int64_t M = x.size(0), nb = w.size(1);
-  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  std::vector<float> sx(M * nb);  // each row's sum of each block of x (with AVX2, of x rounded)
+  std::vector<int8_t> xq(M * nb * 32);
+  std::vector<float> xs(M * nb), sx(M * nb);
+  round_blocks(x.data_ptr<at::BFloat16>(), M * nb, xq.data(), xs.data(), sx.data());
   const Int4Weight<Scale> weight{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
                                  y.size(1)};
-#ifdef __AVX512BF16__
-  for (int64_t i = 0; i < M * nb; i++) sx[i] = sum32(xb + i * 32);
-  const Int4Tiles<Scale> kind{weight, pairs(x), sx.data()};
-#else
-  std::vector<int8_t> xq(M * nb * 32);
-  std::vector<float> xs(M * nb);
-  round_blocks(xb, M * nb, xq.data(), xs.data(), sx.data());
-  const Int4Bytes<Scale> kind{weight, xq.data(), xs.data(), sx.data()};
-#endif
+  const Int4Tiles<Scale> kind{weight, xq.data(), xs.data(), sx.data()};
   products(kind, M, w.size(0));
 }
 

@@ -212,17 +212,18 @@ def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor
 
 def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     """cpu_linear.cpp's layout. Outputs in tiles of 16, and tiles in groups of 4 (the last may have fewer),
-    each group one stream of bytes: for each block of 32 inputs, for each of its tiles, 256 bytes, 8 chunks
-    of 32, chunk c holding the levels of the block's input pairs 2c (low nibbles) and 2c + 1 (high): byte
-    2i + e is output i's at input e of each pair (a vector of one pair's 16 x 2 levels, as vdpbf16ps pairs
-    them). Scales and mins likewise, a tile's 16 scales then its 16 mins for each block (a group of more
-    inputs repeats its own), in their own dtype (bf16, or a GGUF's fp16; others in bf16)."""
+    each group one stream of bytes: for each block of 32 inputs, for each of its tiles, 256 bytes, 4 pieces
+    of 64, piece c holding output i's levels in bytes 4i .. 4i + 3: byte j's low nibble at input 4c + j of
+    the block, its high nibble at input 16 + 4c + j (as vpdpbusd takes 4 bytes of each of 16 outputs).
+    Scales and mins likewise, a tile's 16 scales then its 16 mins for each block (a group of more inputs
+    repeats its own), in their own dtype (bf16, or a GGUF's fp16; others in bf16)."""
     n, k = weight.shape[0], weight.shape[1] * 2
     # a group's levels take the bytes its 64 rows took: rewritten in place (no memory to speak of)
     for r in range(0, n, 64):
         rows = weight[r: r + 64]
-        q = unpack_int4(rows).view(-1, 16, k // 32, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)  # (t, b, c, lo/hi, i, e)
-        levels = (q[:, :, :, 0] | q[:, :, :, 1] << 4).reshape(-1, k // 32, 256)  # (tiles, blocks, 256)
+        # input 32 b + 16 h + 4 c + j of output i of tile t, as (t, b, c, i, j, h)
+        q = unpack_int4(rows).view(-1, 16, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        levels = (q[..., 0] | q[..., 1] << 4).reshape(-1, k // 32, 256)  # (tiles, blocks, 256)
         rows.copy_(levels.transpose(0, 1).reshape(rows.shape))  # block by block
 
     def blocks(a: Tensor) -> Tensor:  # (n, groups) -> (n/16 tiles, k/32 blocks, 16)

@@ -201,7 +201,7 @@ def test_quantized_checkpoints_load_and_compute_their_weights(family, mode):
         for m in (reference, quantized):
             m.setup_caches(1, 64, chunk=CHUNK)
         expected, got = reference(text[None], torch.arange(48)), quantized(text[None], torch.arange(48))
-    # the int kernels take bf16 activations; with AVX2 the int4 kernel rounds them to int8 (a part in 254 of each
+    # the int kernels take bf16 activations; the int4 kernel of our own rounds them to int8 (a part in 254 of each
     # block of 32's largest) in every product, 2.4-3.9% over the whole model (gemma2, gemma3, olmoe)
     rounded = mode == "int4" and cpu_decode.int4_rounds_activations()
     assert relative_error(got, expected) <= (5e-2 if rounded else 2e-2)

@@ -202,7 +202,7 @@ def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
 def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     """cpu_linear.cpp takes scales and mins in the checkpoint's own dtype (a GGUF's fp16), not rounded to bf16
     as PyTorch's int4 kernels take them: its products are the dequantized weight's to fp32's precision (with
-    x as it takes it: on AVX2, rounded to int8 a block of 32 at a time)."""
+    x as it takes it: rounded to int8 a block of 32 at a time)."""
     n, k, g = 64, 256, 32
     m = Int4Linear(k, n, g, dtype=dtype)
     m.weight.copy_(pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)))

@@ -40,8 +40,8 @@ def test_three_ranks_match_one(case, sharded_results):
     single = run_case(checkpoint, precision)
     tolerance = TOLERANCE[precision]
     if case == "int4" and cpu_decode.int4_rounds_activations():
-        # AVX2's int4 kernel rounds activations to int8: a sum added in another order can move a value across a
-        # rounding boundary, a level (a part in 127 of its block's largest) where bf16 alone moves it an ulp
+        # the int4 kernel of our own rounds activations to int8: a sum added in another order can move a value
+        # across a rounding boundary, a level (a part in 127 of its block's largest) where bf16 alone moves it an ulp
         tolerance *= 2
     assert sharded_results[key]["local_heads"] == 3  # each rank held a third of the 9 heads
     for prompt in PROMPTS:
