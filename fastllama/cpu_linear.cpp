@@ -166,6 +166,12 @@ struct Int4Weight {
 
 // A piece of an int4 weight (64 bytes: a tile's 16 outputs, 4 bytes each) and its products with 4 inputs' xq:
 // Levels, the low or the high nibbles of a piece as bytes; Dots, a block's sums of 16 outputs so far
+inline int32_t four(const int8_t* x) {  // 4 inputs' xq, as one number to broadcast
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
+  return x4;
+}
+
 #if defined(__AVX512BF16__)
 #ifndef __AVX512VNNI__
 #error "cpu_linear.cpp's AVX-512 form needs AVX-512 VNNI (every CPU with AVX-512 BF16 has it)"
@@ -179,8 +185,8 @@ inline void nibbles(const uint8_t* p, Levels& low, Levels& high) {
   high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
 }
 inline Dots no_dots() { return _mm512_setzero_si512(); }
-// output i's 4 levels (bytes 4i .. 4i + 3) times the 4 inputs' xq in x4, added to its sum
-inline Dots dot4(Dots d, Levels q, int32_t x4) { return _mm512_dpbusd_epi32(d, q, _mm512_set1_epi32(x4)); }
+// output i's 4 levels (bytes 4i .. 4i + 3) times the 4 inputs' xq at x, added to its sum
+inline Dots dot4(Dots d, Levels q, const int8_t* x) { return _mm512_dpbusd_epi32(d, q, _mm512_set1_epi32(four(x))); }
 inline Vec block_sums(Dots d) { return _mm512_cvtepi32_ps(d); }
 #else
 struct Levels {
@@ -199,9 +205,9 @@ inline void nibbles(const uint8_t* p, Levels& low, Levels& high) {
   }
 }
 inline Dots no_dots() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline Dots dot4(Dots d, Levels q, int32_t x4) {  // pairs of products added in int16
-  const __m256i x = _mm256_set1_epi32(x4);
-  return {_mm256_add_epi16(d.lo, _mm256_maddubs_epi16(q.lo, x)), _mm256_add_epi16(d.hi, _mm256_maddubs_epi16(q.hi, x))};
+inline Dots dot4(Dots d, Levels q, const int8_t* x) {  // pairs of products added in int16
+  const __m256i x4 = _mm256_set1_epi32(four(x));
+  return {_mm256_add_epi16(d.lo, _mm256_maddubs_epi16(q.lo, x4)), _mm256_add_epi16(d.hi, _mm256_maddubs_epi16(q.hi, x4))};
 }
 inline Vec block_sums(Dots d) {  // each output's two int16 sums added into one int32
   const __m256i ones = _mm256_set1_epi16(1);
@@ -227,27 +233,21 @@ struct Int4Tiles : Int4Weight<Scale> {
       for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
       if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
-      Dots d[NT][R];  // integers: each row's the same whatever the rows of the pass
-      for (int t = 0; t < NT; t++)
-        for (int r = 0; r < R; r++) d[t][r] = no_dots();
-      for (int c = 0; c < 4; c++) {  // piece c: inputs 4c .. 4c + 3 (low nibbles) and 16 + 4c .. 16 + 4c + 3 (high)
-        int32_t low_x[R], high_x[R];
-        for (int r = 0; r < R; r++) {
-          std::memcpy(&low_x[r], xq + (r0 + r) * K + b * this->BLOCK + 4 * c, 4);
-          std::memcpy(&high_x[r], xq + (r0 + r) * K + b * this->BLOCK + 16 + 4 * c, 4);
-        }
-        for (int t = 0; t < NT; t++) {
+      const int8_t* xb[R];  // each row's block
+      for (int r = 0; r < R; r++) xb[r] = xq + (r0 + r) * K + b * this->BLOCK;
+      for (int t = 0; t < NT; t++) {  // a tile at a time: R sums live, where AVX2 has 16 registers
+        Dots d[R];  // integers: each row's the same whatever the rows of the pass
+        for (int r = 0; r < R; r++) d[r] = no_dots();
+        for (int c = 0; c < 4; c++) {
           Levels low, high;
           nibbles(this->levels(t0, b, NT, t) + 64 * c, low, high);
-          for (int r = 0; r < R; r++) d[t][r] = dot4(dot4(d[t][r], low, low_x[r]), high, high_x[r]);
+          for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
         }
-      }
-      for (int t = 0; t < NT; t++) {
         const Scale* q = this->scales(t0, b, NT, t);
         const Vec s = load16(q), m = load16(q + TILE);
         for (int r = 0; r < R; r++) {
           const int64_t at = (r0 + r) * nb + b;
-          acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[t][r]), mul(s, set1(xs[at])), acc[t][r]));
+          acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[r]), mul(s, set1(xs[at])), acc[t][r]));
         }
       }
     }
