@@ -25,7 +25,7 @@
 // tile's 16 outputs' levels by 4 inputs' xq and adds the 4 products into each output's int32 sum (64 products an
 // instruction, over levels that need no widening); with AVX2 vpmaddubsw adds pairs of products into int16, and
 // vpmaddwd adds the pairs into int32 once a block. The exact forms before them were bound by their arithmetic: on
-// AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes 1.17-1.36x less time at 1 to 512 rows, for
+// AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes 1.23-1.61x less time at 1 to 512 rows, for
 // a perplexity 0.25% higher (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
 // in integers on AVX2").
 

@@ -4,10 +4,10 @@ AVX2 form on this core, a proxy for a CPU without AVX-512, not one). All the lin
 (cpu-avx2-int4-calls.py's), so that the weights come from memory; the forms in turn, rounds; the median ms of a
 pass and the median of the rounds' ratios of REV's form to the checkout's of the same build. Written for
 2026-12-01's change of the int4 products to integers, whose layout differs from REV's: REV's is made from the
-checkout's, piece by piece (old_layout). First, how far the forms' outputs part from
-the library's own build on the last linear, 3 rows.
+checkout's, piece by piece (old_layout); with --same-layout, a REV since that change takes the checkout's. First,
+how far the forms' outputs part from the library's own build on the last linear, 3 rows.
 
-    python benchmarks/results/cpu-int4-integers-products.py REV CHECKPOINT ROUNDS ROWS,ROWS,...
+    python benchmarks/results/cpu-int4-integers-products.py REV CHECKPOINT ROUNDS ROWS,ROWS,... [--same-layout]
 """
 import statistics
 import subprocess
@@ -71,7 +71,8 @@ def main():
     for b in builds:
         forms[f"{rev} {b}"] = (build(f"rev_{b.lower()}", rev, b == "AVX2"), "rev")
         forms[f"checkout {b}"] = (build(f"checkout_{b.lower()}", None, b == "AVX2"), "checkout")
-    ws = {"checkout": [m.weight for m in linears], "rev": [old_layout(m.weight).contiguous() for m in linears]}
+    ws = {"checkout": [m.weight for m in linears]}
+    ws["rev"] = ws["checkout"] if "--same-layout" in sys.argv else [old_layout(m.weight).contiguous() for m in linears]
     sms = [m.scales_and_zeros for m in linears]
     K = max(w.shape[1] * 32 for w in ws["checkout"])
     MB = sum(t.numel() * t.element_size() for t in ws["checkout"] + sms) / 1e6
