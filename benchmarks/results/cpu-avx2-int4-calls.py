@@ -9,37 +9,21 @@ each form to the one before):
 - a plain sum of one buffer holding those bytes.
 
 The kernel's loop is built here from the working tree's cpu_linear.cpp, with the loop added, under an op namespace
-of its own; the plain sums are cpu-read-bandwidth.py's.
+of its own (cpu-int4-integers-products.py's build); the plain sums are cpu-read-bandwidth.py's.
 
     python benchmarks/results/cpu-avx2-int4-calls.py CHECKPOINT [rounds]
 """
 import importlib.util
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 root = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(root))  # the repo's modules, installed or not
 from fastllama import generate  # noqa: E402
-
-LOOP = r"""
-namespace {
-at::Tensor int4_each(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& sms) {
-  at::Tensor y;
-  for (size_t i = 0; i < ws.size(); i++) y = int4_rows(x.narrow(1, 0, ws[i].size(1) * 32).contiguous(), ws[i], sms[i]);
-  return y;
-}
-}  // namespace
-
-TORCH_LIBRARY(fastllama_calls, m) {
-  m.def("int4_each(Tensor x, Tensor[] ws, Tensor[] sms) -> Tensor", &int4_each);
-}
-"""
 
 spec = importlib.util.spec_from_file_location("read_bandwidth", Path(__file__).with_name("cpu-read-bandwidth.py"))
 read_bandwidth = importlib.util.module_from_spec(spec)
@@ -52,26 +36,22 @@ rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 9
 model = generate.load_model(checkpoint, "cpu")  # builds the working tree's kernels (torch.ops.fastllama)
 linears = [m for m in model.modules() if getattr(m, "kernel", None) == "cpu-tiles" and hasattr(m, "scales_and_zeros")]
 
-with tempfile.TemporaryDirectory() as tmp:
-    source = (root / "fastllama" / "cpu_linear.cpp").read_text()
-    source = source.replace("(fastllama, m)", "(fastllama_calls_kernel, m)").replace(
-        "(fastllama, CPU, m)", "(fastllama_calls_kernel, CPU, m)")
-    (Path(tmp) / "cpu_linear.cpp").write_text(source + LOOP)
-    (Path(tmp) / "cpu_vectors.h").write_text((root / "fastllama" / "cpu_vectors.h").read_text())
-    cpp_extension.load("fastllama_int4_calls", [str(Path(tmp) / "cpu_linear.cpp")],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, build_directory=tmp)
+spec = importlib.util.spec_from_file_location("products", Path(__file__).with_name("cpu-int4-integers-products.py"))
+products = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(products)
+int4_each = products.build("fastllama_calls_kernel", None, avx2=False)  # the working tree's, with the loop
 
 ws, sms = [m.weight for m in linears], [m.scales_and_zeros for m in linears]
 pieces = [t.contiguous().view(torch.uint8).reshape(-1) for m in linears for t in (m.weight, m.scales_and_zeros)]
 one = torch.cat(pieces)
 x = torch.randn(1, max(m.in_features for m in linears), dtype=torch.bfloat16)
 xs = {m.in_features: x[:, :m.in_features].contiguous() for m in linears}
-op, calls = torch.ops.fastllama.int4_rows, torch.ops.fastllama_calls
-assert torch.equal(calls.int4_each(x, ws[-1:], sms[-1:]), op(xs[linears[-1].in_features], ws[-1], sms[-1]))
+op = torch.ops.fastllama.int4_rows
+assert torch.equal(int4_each(x, ws[-1:], sms[-1:]), op(xs[linears[-1].in_features], ws[-1], sms[-1]))
 forms = {
     "int4 products, a call each from Python": lambda: [op(xs[m.in_features], m.weight, m.scales_and_zeros)
                                                        for m in linears],
-    "int4 products, one C++ loop": lambda: calls.int4_each(x, ws, sms),
+    "int4 products, one C++ loop": lambda: int4_each(x, ws, sms),
     f"plain sum of the same {len(pieces)} tensors, one C++ loop": lambda: read_sum(pieces),
     "plain sum of one buffer of those bytes": lambda: read_sum([one]),
 }
