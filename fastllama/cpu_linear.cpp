@@ -136,34 +136,6 @@ struct PairTiles {
   }
 };
 
-// An int4 weight: 4-bit levels w, scales and mins sm (each tile and block: 16 scales, then 16 mins), nb blocks
-// of 32 inputs a row. A group's tiles lie block by block, so that the group is one stream.
-template <typename Scale>
-struct Int4Weight {
-  static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
-  static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 4 pieces of 64 bytes
-  // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
-  // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
-  // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
-  static constexpr int64_t AHEAD = 4;
-  const uint8_t* w;
-  const Scale* sm;
-  int64_t nb;
-  int64_t pieces;  // the weight's tile-blocks (TILE_BYTES each), the last that may be fetched
-  float* y;
-  int64_t n;
-
-  template <int NT>
-  void fetch_piece(int64_t piece) const {
-    piece = std::min(piece, pieces - NT);
-    fetch(w + piece * TILE_BYTES, NT * TILE_BYTES);
-    fetch(sm + piece * 2 * TILE, NT * 2 * TILE * int(sizeof(Scale)));
-  }
-  // tile t0 + t's levels, scales and mins for block b, in a group of NT tiles from tile t0
-  const uint8_t* levels(int64_t t0, int64_t b, int NT, int t) const { return w + (t0 * nb + b * NT + t) * TILE_BYTES; }
-  const Scale* scales(int64_t t0, int64_t b, int NT, int t) const { return sm + (t0 * nb + b * NT + t) * 2 * TILE; }
-};
-
 // A piece of an int4 weight (64 bytes: a tile's 16 outputs, 4 bytes each) and its products with 4 inputs' xq:
 // Levels, the low or the high nibbles of a piece as bytes; Dots, a block's sums of 16 outputs so far
 inline int32_t four(const int8_t* x) {  // 4 inputs' xq, as one number to broadcast
@@ -207,7 +179,8 @@ inline void nibbles(const uint8_t* p, Levels& low, Levels& high) {
 inline Dots no_dots() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline Dots dot4(Dots d, Levels q, const int8_t* x) {  // pairs of products added in int16
   const __m256i x4 = _mm256_set1_epi32(four(x));
-  return {_mm256_add_epi16(d.lo, _mm256_maddubs_epi16(q.lo, x4)), _mm256_add_epi16(d.hi, _mm256_maddubs_epi16(q.hi, x4))};
+  return {_mm256_add_epi16(d.lo, _mm256_maddubs_epi16(q.lo, x4)),
+          _mm256_add_epi16(d.hi, _mm256_maddubs_epi16(q.hi, x4))};
 }
 inline Vec block_sums(Dots d) {  // each output's two int16 sums added into one int32
   const __m256i ones = _mm256_set1_epi16(1);
@@ -215,35 +188,59 @@ inline Vec block_sums(Dots d) {  // each output's two int16 sums added into one 
 }
 #endif
 
-// ... times x's rows rounded to int8 a block at a time (round_blocks). A pass of up to 4 rows unpacks each piece's
-// levels once for all of them: with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row
-// (benchmarks/RESULTS.md, "Int4 products of several rows on AVX2").
+// An int4 weight: 4-bit levels w, scales and mins sm (each tile and block: 16 scales, then 16 mins), nb blocks
+// of 32 inputs a row, times x's rows rounded to int8 a block at a time (round_blocks). A group's tiles lie block by
+// block, so that the group is one stream. A pass of up to 4 rows unpacks each piece's levels once for all of them:
+// with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of several
+// rows on AVX2").
 template <typename Scale>
-struct Int4Tiles : Int4Weight<Scale> {
+struct Int4Tiles {
   static constexpr int MAX_ROWS = 4;
+  static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
+  static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 4 pieces of 64 bytes
+  // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
+  // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
+  // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
+  static constexpr int64_t AHEAD = 4;
+  const uint8_t* w;
+  const Scale* sm;
+  int64_t nb;
+  int64_t pieces;  // the weight's tile-blocks (TILE_BYTES each), the last that may be fetched
+  float* y;
+  int64_t n;
   const int8_t* xq;  // (M, K): each block of each row rounded to int8
   const float* xs;   // (M, nb): the blocks' scales
   const float* sx;   // (M, nb): the rounded blocks' sums, xs sum xq
 
+  template <int NT>
+  void fetch_piece(int64_t piece) const {
+    piece = std::min(piece, pieces - NT);
+    fetch(w + piece * TILE_BYTES, NT * TILE_BYTES);
+    fetch(sm + piece * 2 * TILE, NT * 2 * TILE * int(sizeof(Scale)));
+  }
+  // tile t0 + t's levels, scales and mins for block b, in a group of NT tiles from tile t0
+  const uint8_t* levels(int64_t t0, int64_t b, int NT, int t) const { return w + (t0 * nb + b * NT + t) * TILE_BYTES; }
+  const Scale* scales(int64_t t0, int64_t b, int NT, int t) const { return sm + (t0 * nb + b * NT + t) * 2 * TILE; }
+
   template <int R, int NT>
   void tiles(int64_t r0, int64_t t0) const {
-    const int64_t nb = this->nb, K = nb * this->BLOCK;
+    const int64_t K = nb * BLOCK;
     Vec acc[NT][R];
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
-      if (r0 == 0) this->template fetch_piece<NT>(t0 * nb + (b + this->AHEAD) * NT);  // later passes find it in cache
+      if (r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes find it in cache
       const int8_t* xb[R];  // each row's block
-      for (int r = 0; r < R; r++) xb[r] = xq + (r0 + r) * K + b * this->BLOCK;
+      for (int r = 0; r < R; r++) xb[r] = xq + (r0 + r) * K + b * BLOCK;
       for (int t = 0; t < NT; t++) {  // a tile at a time: R sums live, where AVX2 has 16 registers
         Dots d[R];  // integers: each row's the same whatever the rows of the pass
         for (int r = 0; r < R; r++) d[r] = no_dots();
         for (int c = 0; c < 4; c++) {
           Levels low, high;
-          nibbles(this->levels(t0, b, NT, t) + 64 * c, low, high);
+          nibbles(levels(t0, b, NT, t) + 64 * c, low, high);
           for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
         }
-        const Scale* q = this->scales(t0, b, NT, t);
+        const Scale* q = scales(t0, b, NT, t);
         const Vec s = load16(q), m = load16(q + TILE);
         for (int r = 0; r < R; r++) {
           const int64_t at = (r0 + r) * nb + b;
@@ -252,7 +249,7 @@ struct Int4Tiles : Int4Weight<Scale> {
       }
     }
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) store(this->y + (r0 + r) * this->n + (t0 + t) * TILE, acc[t][r]);
+      for (int r = 0; r < R; r++) store(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
   }
 };
 
@@ -397,9 +394,8 @@ void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   std::vector<int8_t> xq(M * nb * 32);
   std::vector<float> xs(M * nb), sx(M * nb);
   round_blocks(x.data_ptr<at::BFloat16>(), M * nb, xq.data(), xs.data(), sx.data());
-  const Int4Weight<Scale> weight{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
-                                 y.size(1)};
-  const Int4Tiles<Scale> kind{weight, xq.data(), xs.data(), sx.data()};
+  const Int4Tiles<Scale> kind{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
+                              y.size(1), xq.data(), xs.data(), sx.data()};
   products(kind, M, w.size(0));
 }
 
