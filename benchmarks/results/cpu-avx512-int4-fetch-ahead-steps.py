@@ -5,6 +5,9 @@ scripts/benchmark.py; the records before 2026-11-29's last section had one for b
 steps of each, the order alternating; the median ms a step and the quartiles of the rounds' ratios.
 
     python benchmarks/results/cpu-avx512-int4-fetch-ahead-steps.py REV CHECKPOINT DEPTH
+
+It runs as of 0663d64, before the int4 kernel took the name cpu-tiles (850b2d0) and its layout changed (2026-12-01);
+cpu-int4-integers-steps.py is the same comparison for the layout since.
 """
 import statistics
 import subprocess
