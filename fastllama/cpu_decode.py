@@ -218,12 +218,13 @@ def int4_kernel():
     return torch.ops.fastllama.int4_rows if USE_INT4_KERNEL and linear_kernels() else None
 
 
-def int4_rounds_activations() -> bool:
-    """Whether int4_kernel()'s products take x rounded to int8 a block of 32 inputs at a time, as llama.cpp's
-    products with a Q4 weight do: wherever it is built, since its products in integers take less time than the
-    exact forms, which were bound by their arithmetic (benchmarks/RESULTS.md, "Int4 products in integers on
-    AVX2", "Int4 products in integers on AVX-512"). PyTorch's int4 kernel takes x exact."""
-    return int4_kernel() is not None
+def rounds_activations(bits: int) -> bool:
+    """Whether int4_kernel()'s (bits 4) or int8_kernel()'s (bits 8) products take x rounded to int8 a block of 32
+    inputs at a time, as llama.cpp's products with a Q4 or Q8_0 weight do: wherever the kernel is built, since its
+    products in integers take less time than the exact forms, which were bound by their arithmetic (benchmarks/
+    RESULTS.md, "Int4 products in integers on AVX2", "Int4 products in integers on AVX-512", "Int8 products in
+    integers"). PyTorch's kernels take x exact, and so does int8's matmul of more than 128 rows on AVX2."""
+    return (int4_kernel() if bits == 4 else int8_kernel()) is not None
 
 
 def int8_kernel():
@@ -408,13 +409,13 @@ class FewRowLinear(nn.Linear):
         return self.packed_from == (self.weight.data_ptr(), self.weight._version)
 
 
-def tiles_layout(weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """A bf16 or int8 weight (n, k) in cpu_linear.cpp's tiles, shaped (n / 16, k / 2, 32) as it checks them:
+def tiles_layout(weight: Tensor) -> Tensor:
+    """A copy of a bf16 weight (n, k) in cpu_linear.cpp's tiles, shaped (n / 16, k / 2, 32) as it checks them:
     outputs in tiles of 16, tiles in groups of 4 (the last may have fewer), each group one stream of bytes: for
     each input pair, for each of the group's tiles, its 16 outputs' two weights (output i's at 2i, 2i + 1).
-    A group takes the bytes its 64 rows took: into `out` (the weight itself, rewritten in place), or a copy."""
+    A group takes the bytes its 64 rows took."""
     n, k = weight.shape
-    out = torch.empty_like(weight) if out is None else out
+    out = torch.empty_like(weight)
     for r in range(0, n, 64):
         rows = weight[r: r + 64]
         group = rows.view(-1, 16, k // 2, 2).permute(2, 0, 1, 3)  # (pairs, tiles, 16, 2)

@@ -1,22 +1,16 @@
 // Weight-only products of our own on CPUs with AVX-512 BF16 or AVX2: y = x w^T for a few rows of x (bf16), with
-// the weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and one vdpbf16ps adds
-// a pair of inputs' products for all 16: 32 products an instruction, each weight element read once for all the
-// rows of a pass (with AVX2, four fused multiply-adds; the vector operations below say how). A pass serves up to
-// MAX_ROWS rows; more rows take more passes, over a group of tiles still in cache. Each row's sums are added in one
-// order whatever the other rows, so that a row's numbers are the same alone and in a batch (generate.py's promise
-// in fp32).
+// the weight in bf16, int8 or 4-bit levels. The lanes of a vector are 16 outputs (a tile), and each weight element
+// is read once for all the rows of a pass. A pass serves up to MAX_ROWS rows; more rows take more passes, over a
+// group of tiles still in cache. Each row's sums are added in one order whatever the other rows, so that a row's
+// numbers are the same alone and in a batch (generate.py's promise in fp32).
 //
-// bf16 (bf16_rows): cpu_decode.pack gives a bf16 linear a copy of its weight in tiles (tiles_layout), whose
-// products of a few rows (decode and verify steps, the server's steps, short prompts) read it faster than
-// oneDNN's bf16 kernel over its own packed layout (benchmarks/RESULTS.md, "Bf16 products of our own on CPU",
-// "The server's prompts through the tiles"). At many rows oneDNN's blocking wins, over the plain weight
-// (bf16_linear chooses, for a count of rows known only when it runs).
-//
-// int8 (int8_rows): quantize.Int8Linear's levels laid out in the same tiles as bf16's, in place, and converted to
-// bf16 as read; its scales applied by the caller. At one row it reads the weight 1.8x faster than the loop compiled
-// code makes, and at 512 rows it is about as fast as a bf16 matmul of the converted weight (benchmarks/RESULTS.md,
-// "Int8 products of our own on CPU"; with AVX2, "Products of our own on AVX2", more than 128 rows are a matmul in
-// fp32 of the levels converted), so prefill takes it too, and the plain layout is not kept.
+// bf16 (bf16_rows): cpu_decode.pack gives a bf16 linear a copy of its weight in tiles (tiles_layout), where one
+// vdpbf16ps adds a pair of inputs' products for all 16 outputs: 32 products an instruction (with AVX2, four fused
+// multiply-adds; the vector operations below say how). Its products of a few rows (decode and verify steps, the
+// server's steps, short prompts) read it faster than oneDNN's bf16 kernel over its own packed layout
+// (benchmarks/RESULTS.md, "Bf16 products of our own on CPU", "The server's prompts through the tiles"). At many
+// rows oneDNN's blocking wins, over the plain weight (bf16_linear chooses, for a count of rows known only when it
+// runs).
 //
 // int4 (int4_rows): 4-bit levels q with a scale s and a min m each block of 32 inputs (w = s q + m, quantize.py's
 // int4), laid out by quantize.int4_rows_layout. The products are in integers, as llama.cpp makes them against a Q4
@@ -28,6 +22,13 @@
 // AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes 1.23-1.61x less time at 1 to 512 rows, for
 // a perplexity 0.25% higher (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
 // in integers on AVX2").
+//
+// int8 (int8_rows): quantize.Int8Linear's levels, a byte each, laid out as int4's (quantize.int8_rows_layout, in
+// place) and multiplied in integers as int4's, x rounded alike (as llama.cpp's products against a Q8_0 weight); its
+// scales applied by the caller. The exact form before (x in bf16, the levels converted to bf16 as read) was bound
+// by the conversion past one row: this takes 1.16-1.63x less time at 2 to 512 rows and about as long at one
+// (1.04x), for a perplexity 0.4% higher (benchmarks/RESULTS.md, "Int8 products in integers"). With AVX2 more than
+// 128 rows are a matmul in fp32 of the levels converted, x exact ("Products of our own on AVX2").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +37,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vectors.h"
@@ -56,9 +59,6 @@ inline XPair x_pair(uint32_t bits) { return (XPair)_mm512_set1_epi32(int(bits));
 inline Vec dot(Vec acc, Pairs w, XPair x) { return _mm512_dpbf16_ps(acc, w, x); }
 
 inline Pairs pair_weights(const at::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
-inline Pairs pair_weights(const int8_t* p) {  // int8 levels converted to bf16 as read, exactly (8 significant bits)
-  return _mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
-}
 #elif !defined(__AVX512F__)
 struct Pairs {
   __m256 first[2], second[2];  // each input's weights for outputs 0-7 and 8-15
@@ -87,15 +87,6 @@ inline Pairs pair_weights(const at::BFloat16* p) {
   return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
 }
-inline Pairs pair_weights(const int8_t* p) {  // int8 levels as fp32: each 16-bit half sign-extended, converted
-  Pairs w;
-  for (int h = 0; h < 2; h++) {
-    const __m256i wide = _mm256_cvtepi8_epi16(load16bytes(p + 16 * h));
-    w.first[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wide, 16), 16));
-    w.second[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(wide, 16));
-  }
-  return w;
-}
 #else
 #error "cpu_linear.cpp needs AVX-512 BF16, or AVX2 (with FMA and F16C) without AVX-512"
 #endif
@@ -105,14 +96,12 @@ inline void fetch(const void* p, int bytes) {
   for (int i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
-// A weight in tiles, each group of tiles one stream: for each input pair, for each of the group's tiles, the
-// 32 weights of its 16 outputs (output i's two at 2i, 2i + 1): bf16, or int8 levels, exact as bf16 or fp32
-// (a level has 8 significant bits), the scales the caller's. x's rows as bf16 pairs (32 bits each), np pairs a row.
-template <typename W>
+// A bf16 weight in tiles, each group of tiles one stream: for each input pair, for each of the group's tiles, the
+// 32 weights of its 16 outputs (output i's two at 2i, 2i + 1). x's rows as bf16 pairs (32 bits each), np pairs a row.
 struct PairTiles {
   static constexpr int MAX_ROWS = 8;  // 8 rows x 4 tiles of sums: one pass serves a whole server step
   const uint32_t* x;
-  const W* w;
+  const at::BFloat16* w;
   int64_t np;
   float* y;
   int64_t n;  // y's row stride
@@ -122,7 +111,7 @@ struct PairTiles {
     Vec acc[NT][R];
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = zero();
-    const W* group = w + t0 * np * 2 * TILE;
+    const at::BFloat16* group = w + t0 * np * 2 * TILE;
     for (int64_t p = 0; p < np; p++) {
       XPair xs[R];
       for (int r = 0; r < R; r++) xs[r] = x_pair(x[(r0 + r) * np + p]);
@@ -160,6 +149,23 @@ inline Dots no_dots() { return _mm512_setzero_si512(); }
 // output i's 4 levels (bytes 4i .. 4i + 3) times the 4 inputs' xq at x, added to its sum
 inline Dots dot4(Dots d, Levels q, const int8_t* x) { return _mm512_dpbusd_epi32(d, q, _mm512_set1_epi32(four(x))); }
 inline Vec block_sums(Dots d) { return _mm512_cvtepi32_ps(d); }
+
+// An int8 piece: vpdpbusd takes unsigned levels, so a level is read with its top bit flipped, as the level + 128,
+// and y takes LEVEL_OFFSET xs sum xq back once a row. A pass of one row is bound by the read of the weight, which
+// Zen 4 streamed faster in 32-byte loads than in 64-byte ones (1.15-1.25x for an int8 model's linears; benchmarks/
+// RESULTS.md, "Int8 products in integers"); passes of more rows read it as fast either way.
+using Bytes = __m512i;
+using Sums = __m512i;  // int32, one an output
+constexpr float LEVEL_OFFSET = 128.f;
+template <bool Halves>
+inline Bytes int8_piece(const uint8_t* p) {
+  const __m512i raw =
+      Halves ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1)
+             : _mm512_loadu_si512(p);
+  return _mm512_xor_si512(raw, _mm512_set1_epi8(char(0x80)));
+}
+inline Sums no_sums() { return _mm512_setzero_si512(); }
 #else
 struct Levels {
   __m256i lo, hi;  // outputs 0-7, 8-15
@@ -186,24 +192,55 @@ inline Vec block_sums(Dots d) {  // each output's two int16 sums added into one 
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_cvtepi32_ps(_mm256_madd_epi16(d.lo, ones)), _mm256_cvtepi32_ps(_mm256_madd_epi16(d.hi, ones))};
 }
+
+// An int8 piece: vpmaddubsw takes unsigned bytes, so a level's magnitude multiplies xq given the level's sign (as
+// llama.cpp's Q8_0 products do); a pair of products stays within int16 (2 x 128 x 127), and is widened into the
+// output's int32 sum at once
+struct Bytes {
+  __m256i magnitude[2], level[2];  // outputs 0-7, 8-15
+};
+struct Sums {
+  __m256i lo, hi;  // int32
+};
+constexpr float LEVEL_OFFSET = 0.f;
+template <bool Halves>  // AVX2's loads are of 32 bytes
+inline Bytes int8_piece(const uint8_t* p) {
+  Bytes q;
+  for (int h = 0; h < 2; h++) {
+    q.level[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+    q.magnitude[h] = _mm256_abs_epi8(q.level[h]);
+  }
+  return q;
+}
+inline Sums no_sums() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Sums dot4(Sums d, const Bytes& q, const int8_t* x) {
+  const __m256i x4 = _mm256_set1_epi32(four(x)), ones = _mm256_set1_epi16(1);
+  const auto products = [&](int h) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q.magnitude[h], _mm256_sign_epi8(x4, q.level[h])), ones);
+  };
+  return {_mm256_add_epi32(d.lo, products(0)), _mm256_add_epi32(d.hi, products(1))};
+}
+inline Vec block_sums(Sums d) { return {_mm256_cvtepi32_ps(d.lo), _mm256_cvtepi32_ps(d.hi)}; }
 #endif
 
-// An int4 weight: 4-bit levels w, scales and mins sm (each tile and block: 16 scales, then 16 mins), nb blocks
-// of 32 inputs a row, times x's rows rounded to int8 a block at a time (round_blocks). A group's tiles lie block by
-// block, so that the group is one stream. A pass of up to 4 rows unpacks each piece's levels once for all of them:
-// with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of several
-// rows on AVX2").
-template <typename Scale>
-struct Int4Tiles {
+// A weight of 4- or 8-bit levels w in tiles, nb blocks of 32 inputs a row, times x's rows rounded to int8 a block at
+// a time (round_blocks). int4: each tile and block's 16 scales, then 16 mins, in sm (a block's part of y: s xs sum q xq
+// + m xs sum xq); int8: signed levels, their scales the caller's (a block's part: xs sum q xq). A group's tiles lie
+// block by block, so that the group is one stream. A pass of up to 4 rows reads each piece's levels once for all of
+// them: with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of
+// several rows on AVX2").
+template <int Bits, typename Scale = at::BFloat16>
+struct IntTiles {
   static constexpr int MAX_ROWS = 4;
-  static constexpr int64_t BLOCK = 32;        // inputs a scale and a min cover
-  static constexpr int64_t TILE_BYTES = 256;  // a tile's levels for one block: 4 pieces of 64 bytes
+  static constexpr int64_t BLOCK = 32;                  // inputs a scale (and a min) cover
+  static constexpr int64_t TILE_BYTES = 16 * Bits * 4;  // a tile's levels for one block: 256 or 512 bytes, pieces of 64
   // Blocks fetched ahead of the one summed, past a group's end into the next group's (up to the weight's last):
   // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
   // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
   static constexpr int64_t AHEAD = 4;
+  using BlockSums = std::conditional_t<Bits == 4, Dots, Sums>;
   const uint8_t* w;
-  const Scale* sm;
+  const Scale* sm;  // int4's
   int64_t nb;
   int64_t pieces;  // the weight's tile-blocks (TILE_BYTES each), the last that may be fetched
   float* y;
@@ -211,14 +248,15 @@ struct Int4Tiles {
   const int8_t* xq;  // (M, K): each block of each row rounded to int8
   const float* xs;   // (M, nb): the blocks' scales
   const float* sx;   // (M, nb): the rounded blocks' sums, xs sum xq
+  const float* offset;  // int8's (M): LEVEL_OFFSET times the sum of a row's sx, which its sums hold beyond y
 
   template <int NT>
   void fetch_piece(int64_t piece) const {
     piece = std::min(piece, pieces - NT);
     fetch(w + piece * TILE_BYTES, NT * TILE_BYTES);
-    fetch(sm + piece * 2 * TILE, NT * 2 * TILE * int(sizeof(Scale)));
+    if constexpr (Bits == 4) fetch(sm + piece * 2 * TILE, NT * 2 * TILE * int(sizeof(Scale)));
   }
-  // tile t0 + t's levels, scales and mins for block b, in a group of NT tiles from tile t0
+  // tile t0 + t's levels (and int4's scales and mins) for block b, in a group of NT tiles from tile t0
   const uint8_t* levels(int64_t t0, int64_t b, int NT, int t) const { return w + (t0 * nb + b * NT + t) * TILE_BYTES; }
   const Scale* scales(int64_t t0, int64_t b, int NT, int t) const { return sm + (t0 * nb + b * NT + t) * 2 * TILE; }
 
@@ -229,27 +267,41 @@ struct Int4Tiles {
     for (int t = 0; t < NT; t++)
       for (int r = 0; r < R; r++) acc[t][r] = zero();
     for (int64_t b = 0; b < nb; b++) {
-      if (r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes find it in cache
+      if (Bits == 4 && r0 == 0) fetch_piece<NT>(t0 * nb + (b + AHEAD) * NT);  // later passes find it in cache
       const int8_t* xb[R];  // each row's block
       for (int r = 0; r < R; r++) xb[r] = xq + (r0 + r) * K + b * BLOCK;
       for (int t = 0; t < NT; t++) {  // a tile at a time: R sums live, where AVX2 has 16 registers
-        Dots d[R];  // integers: each row's the same whatever the rows of the pass
-        for (int r = 0; r < R; r++) d[r] = no_dots();
-        for (int c = 0; c < 4; c++) {
-          Levels low, high;
-          nibbles(levels(t0, b, NT, t) + 64 * c, low, high);
-          for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
+        const uint8_t* piece = levels(t0, b, NT, t);
+        BlockSums d[R];  // integers: each row's the same whatever the rows of the pass
+        for (int r = 0; r < R; r++) {
+          if constexpr (Bits == 4) d[r] = no_dots();
+          else d[r] = no_sums();
         }
-        const Scale* q = scales(t0, b, NT, t);
-        const Vec s = load16(q), m = load16(q + TILE);
+        for (int c = 0; c < TILE_BYTES / 64; c++) {
+          if constexpr (Bits == 4) {
+            Levels low, high;
+            nibbles(piece + 64 * c, low, high);
+            for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
+          } else {
+            const Bytes q = int8_piece<R == 1>(piece + 64 * c);
+            for (int r = 0; r < R; r++) d[r] = dot4(d[r], q, xb[r] + 4 * c);
+          }
+        }
         for (int r = 0; r < R; r++) {
           const int64_t at = (r0 + r) * nb + b;
-          acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[r]), mul(s, set1(xs[at])), acc[t][r]));
+          if constexpr (Bits == 4) {
+            const Scale* q = scales(t0, b, NT, t);
+            const Vec s = load16(q), m = load16(q + TILE);
+            acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[r]), mul(s, set1(xs[at])), acc[t][r]));
+          } else {
+            acc[t][r] = fmadd(block_sums(d[r]), set1(xs[at]), acc[t][r]);
+          }
         }
       }
     }
     for (int t = 0; t < NT; t++)
-      for (int r = 0; r < R; r++) store(y + (r0 + r) * n + (t0 + t) * TILE, acc[t][r]);
+      for (int r = 0; r < R; r++)
+        store(y + (r0 + r) * n + (t0 + t) * TILE, Bits == 4 ? acc[t][r] : sub(acc[t][r], set1(offset[r0 + r])));
   }
 };
 
@@ -315,28 +367,26 @@ void products(const Kind& kind, int64_t M, int64_t nt) {
 
 const uint32_t* pairs(const at::Tensor& x) { return reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()); }
 
-// x (M, K) bf16; w (N/16, K/2, 32) bf16 or int8 as cpu_decode.tiles_layout makes it. Returns y (M, N) fp32 (for
-// int8, unscaled).
-inline void check_pairs(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* what) {
+// x (M, K) bf16; w (N/16, K/2, 32) bf16 as cpu_decode.tiles_layout makes it. Returns y (M, N) fp32.
+at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 2 * TILE &&
-                  w.scalar_type() == dtype && x.size(1) == 2 * w.size(1),
-              what, ": x (M, K) bf16, w (N/16, K/2, 32) ", dtype);
-}
-
-template <typename W>
-at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& w) {
+                  w.scalar_type() == at::kBFloat16 && x.size(1) == 2 * w.size(1),
+              "bf16_rows: x (M, K) bf16, w (N/16, K/2, 32) bf16");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0) * TILE}, x.options().dtype(at::kFloat));
-  const PairTiles<W> kind{pairs(xc), reinterpret_cast<const W*>(wc.data_ptr()), w.size(1), y.data_ptr<float>(),
-                          y.size(1)};
+  const PairTiles kind{pairs(xc), wc.data_ptr<at::BFloat16>(), w.size(1), y.data_ptr<float>(), y.size(1)};
   products(kind, x.size(0), w.size(0));
   return y;
 }
 
-at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w) {
-  check_pairs(x, w, at::kBFloat16, "bf16_rows");
-  return pair_rows<at::BFloat16>(x, w);
-}
+// x's rows rounded to int8 a block of 32 inputs at a time (round_blocks), as the integer products take them
+struct Rounded {
+  std::vector<int8_t> xq;
+  std::vector<float> xs, sx;
+  Rounded(const at::Tensor& x, int64_t nb) : xq(x.size(0) * nb * 32), xs(x.size(0) * nb), sx(x.size(0) * nb) {
+    round_blocks(x.data_ptr<at::BFloat16>(), x.size(0) * nb, xq.data(), xs.data(), sx.data());
+  }
+};
 
 #ifndef __AVX512BF16__
 // With AVX2 a product of many rows is bound by its arithmetic, which at::mm's fp32 blocking does faster than the
@@ -346,7 +396,7 @@ constexpr int64_t MATMUL_ROWS = 128;
 constexpr int64_t MATMUL_OUTPUTS = 256;
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
-  const int64_t nt = w.size(0), N = nt * TILE, K = x.size(1);
+  const int64_t nt = w.size(0), N = nt * TILE, K = x.size(1), TILE_BYTES = IntTiles<8>::TILE_BYTES;
   const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), N}, xf.options()), block = at::empty({MATMUL_OUTPUTS, K}, xf.options());
   const int8_t* levels = w.data_ptr<int8_t>();
@@ -356,12 +406,10 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
     at::parallel_for(o0, o0 + n, TILE, [&](int64_t begin, int64_t end) {
       for (int64_t o = begin; o < end; o++) {  // output o is lane o % 16 of tile o / 16 % 4 of group o / 64
         const int64_t g = o / (TILES * TILE), tiles = std::min<int64_t>(TILES, nt - g * TILES);
-        const int8_t* first = levels + g * TILES * TILE * K + (o / TILE % TILES) * 2 * TILE + 2 * (o % TILE);
+        const int8_t* first = levels + g * TILES * TILE * K + (o / TILE % TILES) * TILE_BYTES + 4 * (o % TILE);
         float* row = plain + (o - o0) * K;
-        for (int64_t p = 0; p < K / 2; p++) {
-          row[2 * p] = first[p * tiles * 2 * TILE];
-          row[2 * p + 1] = first[p * tiles * 2 * TILE + 1];
-        }
+        for (int64_t k = 0; k < K; k++)  // block k / 32, piece k % 32 / 4, byte k % 4
+          row[k] = first[k / 32 * tiles * TILE_BYTES + k % 32 / 4 * 64 + k % 4];
       }
     });
     y.narrow(1, o0, n).copy_(at::mm(xf, block.narrow(0, 0, n).t()));
@@ -370,12 +418,25 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
 }
 #endif
 
+// x (M, K) bf16; w (N/16, K/32, 512) int8 as quantize.int8_rows_layout makes it. Returns y (M, N) fp32, unscaled.
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) {
-  check_pairs(x, w, at::kChar, "int8_rows");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 512 &&
+                  w.scalar_type() == at::kChar && x.size(1) == 32 * w.size(1),
+              "int8_rows: x (M, K) bf16, w (N/16, K/32, 512) int8");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
 #ifndef __AVX512BF16__
-  if (x.size(0) > MATMUL_ROWS) return int8_matmul(x, w.contiguous());
+  if (x.size(0) > MATMUL_ROWS) return int8_matmul(xc, wc);
 #endif
-  return pair_rows<int8_t>(x, w);
+  const int64_t M = x.size(0), nb = w.size(1);
+  at::Tensor y = at::empty({M, w.size(0) * TILE}, x.options().dtype(at::kFloat));
+  const Rounded r(xc, nb);
+  std::vector<float> offset(M);
+  for (int64_t m = 0; m < M; m++)
+    offset[m] = LEVEL_OFFSET * std::accumulate(r.sx.begin() + m * nb, r.sx.begin() + (m + 1) * nb, 0.f);
+  const IntTiles<8> kind{reinterpret_cast<const uint8_t*>(wc.data_ptr<int8_t>()), nullptr, nb, w.size(0) * nb,
+                         y.data_ptr<float>(), y.size(1), r.xq.data(), r.xs.data(), r.sx.data(), offset.data()};
+  products(kind, M, w.size(0));
+  return y;
 }
 
 // F.linear(x, w, bias) in bf16 through the tiles for at most max_rows rows, and through the plain weight w for more,
@@ -390,13 +451,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 template <typename Scale>
 void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {
-  const int64_t M = x.size(0), nb = w.size(1);
-  std::vector<int8_t> xq(M * nb * 32);
-  std::vector<float> xs(M * nb), sx(M * nb);
-  round_blocks(x.data_ptr<at::BFloat16>(), M * nb, xq.data(), xs.data(), sx.data());
-  const Int4Tiles<Scale> kind{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
-                              y.size(1), xq.data(), xs.data(), sx.data()};
-  products(kind, M, w.size(0));
+  const int64_t nb = w.size(1);
+  const Rounded r(x, nb);
+  const IntTiles<4, Scale> kind{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
+                                y.size(1), r.xq.data(), r.xs.data(), r.sx.data(), nullptr};
+  products(kind, x.size(0), w.size(0));
 }
 
 // x (M, K) bf16; w (N/16, K/32, 256) uint8 and sm (N/16, K/32, 2, 16) bf16 or fp16 as

@@ -113,11 +113,12 @@ def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class Int8Linear(nn.Module):
     """Per-channel int8. Its kernel is chosen for its device once, by `pack` (int8_kernel): on CPU with
-    AVX-512 BF16 or AVX2, cpu_linear.cpp's for any number of rows, over the weight laid out in its tiles
-    ("cpu-tiles"); on other CPUs PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum
-    that compiled code fuses (cpu_decode.py), and for many rows (prefill), where those are slower, a matmul of
-    the weight converted a block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_for_rows); on
-    a GPU with Triton, kernels.py's for a few rows; elsewhere, and for many rows, the dequantized matmul."""
+    AVX-512 BF16 or AVX2, cpu_linear.cpp's for any number of rows, over the weight laid out for it in place
+    (int8_rows_layout), x rounded to int8 a block of 32 inputs at a time ("cpu-tiles"); on other CPUs
+    PyTorch's int8 kernel for a few rows, or with "cpu-fused" a multiply-and-sum that compiled code fuses
+    (cpu_decode.py), and for many rows (prefill), where those are slower, a matmul of the weight converted a
+    block at a time (to bf16, or to fp32 where bf16 is slow: cpu_decode.linear_for_rows); on a GPU with Triton,
+    kernels.py's for a few rows; elsewhere, and for many rows, the dequantized matmul."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -129,7 +130,7 @@ class Int8Linear(nn.Module):
 
     def pack(self, kernel: str):
         if kernel == "cpu-tiles":
-            self.weight = cpu_decode.tiles_layout(self.weight, out=self.weight)  # in place: no memory to speak of
+            self.weight = int8_rows_layout(self.weight)
         self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
@@ -208,6 +209,19 @@ def int4_kernel_layout(kernel: str, weight: Tensor, scales: Tensor, mins: Tensor
     for r in range(0, weight.shape[0], 64):
         weight[r: r + 64] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight[r: r + 64]).int(), 1)
     return weight, scales_and_zeros
+
+
+def int8_rows_layout(weight: Tensor) -> Tensor:
+    """cpu_linear.cpp's int8 layout, the int4 one's with a byte a level (int4_rows_layout): tiles of 16 outputs in
+    groups of 4, each group one stream, for each block of 32 inputs, for each of its tiles, 512 bytes, 8 pieces of
+    64, piece c holding output i's levels for inputs 4c .. 4c + 3 of the block in bytes 4i .. 4i + 3."""
+    n, k = weight.shape
+    # a group's levels take the bytes its 64 rows took: rewritten in place (no memory to speak of)
+    for r in range(0, n, 64):
+        rows = weight[r: r + 64]
+        q = rows.view(-1, 16, k // 32, 8, 4).permute(2, 0, 3, 1, 4)  # input 32 b + 4 c + j of output i of tile t
+        rows.copy_(q.reshape(rows.shape))  # (b, t, c, i, j): block by block
+    return weight.view(n // 16, k // 32, 512)
 
 
 def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
@@ -316,8 +330,8 @@ class Int4ExpertLinears(ExpertLinears):
 
 def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> str:
     """How int8 runs here. On CPUs with AVX-512 BF16 or AVX2, cpu_linear.cpp's kernel for a bf16 model's shapes
-    it takes (benchmarks/RESULTS.md, "Int8 products of our own on CPU", "Products of our own on AVX2": there it
-    multiplies more than 128 rows as a matmul in fp32). Otherwise on CPU, compiled code's fused
+    it takes, whole blocks of 32 inputs (benchmarks/RESULTS.md, "Int8 products in integers", "Products of our own on
+    AVX2": there it multiplies more than 128 rows as a matmul in fp32). Otherwise on CPU, compiled code's fused
     multiply-and-sum pays only with AVX-512, whose masked loads take the int8 weight a part-vector at a time;
     with AVX2 inductor copies each 8 bytes through memory first, and PyTorch's int8 kernel is faster
     (benchmarks/RESULTS.md, "CPUs without AVX-512"). On a GPU, kernels.py's, where Triton is."""
@@ -325,7 +339,7 @@ def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype
         return "triton"
     if device.type != "cpu":
         return "dequantize"
-    tiles = out_features % 16 == 0 and in_features % 2 == 0 and dtype == torch.bfloat16
+    tiles = out_features % 16 == 0 and in_features % 32 == 0 and dtype == torch.bfloat16
     if tiles and cpu_decode.int8_kernel() is not None:
         return "cpu-tiles"
     return "cpu-fused" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "cpu"

@@ -227,17 +227,16 @@ needs_bf16_kernel = pytest.mark.skipif(cpu_decode.bf16_kernel() is None,
 
 
 @pytest.mark.skipif(not cpu_decode.linear_kernels(), reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 2)])  # groups of 3 tiles; 4 and 3; one tile
 @torch.no_grad()
-def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, k, dtype):
-    """cpu_linear.cpp's bf16_rows and int8_rows over a weight in tiles (tiles_layout's): x w^T to fp32's rounding
-    of the same numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles) and 150, and each row's
-    numbers the same bits alone as in a batch (a request's tokens in the server do not depend on who shares its
-    steps)."""
-    weight = torch.randn(n, k).bfloat16() if dtype == torch.bfloat16 else torch.randint(-128, 128, (n, k), dtype=dtype)
+def test_the_bf16_tiles_kernel_computes_the_product_and_a_row_alone_as_in_a_batch(n, k):
+    """cpu_linear.cpp's bf16_rows over a weight in tiles (tiles_layout's): x w^T to fp32's rounding of the same
+    numbers, for 1 to 20 rows (passes of 8, 8 and 4 over each group of tiles) and 150, and each row's numbers the
+    same bits alone as in a batch (a request's tokens in the server do not depend on who shares its steps).
+    int8_rows: test_quantize.py."""
+    weight = torch.randn(n, k).bfloat16()
     tiles = cpu_decode.tiles_layout(weight)
-    kernel = torch.ops.fastllama.bf16_rows if dtype == torch.bfloat16 else torch.ops.fastllama.int8_rows
+    kernel = torch.ops.fastllama.bf16_rows
     x = torch.randn(20, k).bfloat16()
     y = kernel(x, tiles)
     assert y.dtype == torch.float32 and y.shape == (20, n)
@@ -246,7 +245,7 @@ def test_the_tiles_kernels_compute_the_product_and_a_row_alone_as_in_a_batch(n, 
     for rows in (1, 3, 8, 9, 17):
         assert torch.equal(kernel(x[:rows], tiles), y[:rows])
     assert torch.equal(kernel(x[5:6], tiles), y[5:6])
-    many = torch.randn(150, k).bfloat16()  # with AVX2, int8's many rows: a matmul of the levels in their plain order
+    many = torch.randn(150, k).bfloat16()
     torch.testing.assert_close(kernel(many, tiles), many.double() @ weight.double().t(), rtol=1e-5,
                                atol=1e-5 * largest, check_dtype=False)
 

@@ -203,7 +203,7 @@ def test_quantized_checkpoints_load_and_compute_their_weights(family, mode):
         expected, got = reference(text[None], torch.arange(48)), quantized(text[None], torch.arange(48))
     # the int kernels take bf16 activations; the int4 kernel of our own rounds them to int8 (a part in 254 of each
     # block of 32's largest) in every product, 2.4-3.9% over the whole model (gemma2, gemma3, olmoe)
-    rounded = mode == "int4" and cpu_decode.int4_rounds_activations()
+    rounded = mode == "int4" and cpu_decode.rounds_activations(4)
     assert relative_error(got, expected) <= (5e-2 if rounded else 2e-2)
 
 

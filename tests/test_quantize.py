@@ -46,6 +46,20 @@ def random_weight(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k) * torch.randn(n, 1).exp()
 
 
+def as_the_kernel_takes(x: torch.Tensor, padded_in: int, bits: int) -> torch.Tensor:
+    """x as cpu_linear.cpp's int4 or int8 products multiply it: where cpu_decode.rounds_activations(bits), each
+    block of 32 inputs (of x zero-padded to padded_in) rounded to int8 against its largest magnitude, ties to even;
+    else x."""
+    if not cpu_decode.rounds_activations(bits):
+        return x.float()
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, padded_in - k)).unflatten(-1, (-1, 32))
+    largest = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (127 / largest is 127 times largest's reciprocal, rounded twice)
+    levels = torch.round(blocks * torch.where(largest > 0, torch.tensor(127.0) / largest, 0))
+    return (levels * (largest / 127)).flatten(-2)[..., :k]
+
+
 # ---------------------------------------------------------------------------------------------
 # int8
 
@@ -72,7 +86,8 @@ def test_int8_linear_matches_dequantized_matmul(n, k, M):
     with torch.no_grad():
         y = m(x)
     assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
-    assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
+    x_taken = as_the_kernel_takes(x, k, 8) if m.kernel == "cpu-tiles" else x.float()
+    assert rel_err(y, F.linear(x_taken, w_ref)) <= BF16_RTOL
 
 
 INT8_CPU_KERNELS = ["cpu-fused", "cpu"] + (["cpu-tiles"] if cpu_decode.int8_kernel() else [])
@@ -98,7 +113,8 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
     with torch.no_grad():
         y = compiled(x)
     assert y.dtype == torch.bfloat16 and y.shape == (*shape, n)
-    assert rel_err(y, F.linear(x.float(), w_ref)) <= BF16_RTOL
+    taken = (lambda x: as_the_kernel_takes(x, k, 8)) if kernel == "cpu-tiles" else (lambda x: x.float())
+    assert rel_err(y, F.linear(taken(x), w_ref)) <= BF16_RTOL
     assert len(graphs) == 1 and ("_weight_int8pack_mm" in graphs[0].code) == (kernel == "cpu")
     assert ("int8_rows" in graphs[0].code) == (kernel == "cpu-tiles")
     if kernel == "cpu-tiles":  # prefill, compiled for any length, takes it too
@@ -106,8 +122,34 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
         for rows in (5, 40):
             x = torch.randn(1, rows, k).bfloat16()
             with torch.no_grad():
-                assert rel_err(prefill(x), F.linear(x.float(), w_ref)) <= BF16_RTOL
+                assert rel_err(prefill(x), F.linear(taken(x), w_ref)) <= BF16_RTOL
         assert "int8_rows" in graphs[-1].code
+
+
+@pytest.mark.skipif(cpu_decode.int8_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 BF16 and a compiler")
+@pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 32)])  # groups of 3 tiles; 4 and 3; one tile
+@torch.no_grad()
+def test_the_int8_kernel_multiplies_x_as_rounded_and_a_row_alone_as_in_a_batch(n, k):
+    """cpu_linear.cpp's int8_rows over int8_rows_layout's weight (levels -128 to 127): x as it takes it (rounded
+    to int8 a block of 32 inputs at a time) times the levels, to fp32's rounding, for 1 to 20 rows (passes of 4
+    over each group of tiles; a pass of one row loads the levels its own way) and 150 (with AVX2, a matmul of x
+    exact); and each row's numbers the same bits alone as in a batch (a request's tokens in the server do not
+    depend on who shares its steps; speculation's verify steps reproduce decoding's)."""
+    levels = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    tiles = quantize.int8_rows_layout(levels.clone())
+    x = torch.randn(20, k).bfloat16()
+    y = torch.ops.fastllama.int8_rows(x, tiles)
+    assert y.dtype == torch.float32 and y.shape == (20, n)
+    exact = as_the_kernel_takes(x, k, 8).double() @ levels.double().t()
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item(), check_dtype=False)
+    for rows in (1, 3, 4, 5, 9, 17):
+        assert torch.equal(torch.ops.fastllama.int8_rows(x[:rows], tiles), y[:rows])
+    assert torch.equal(torch.ops.fastllama.int8_rows(x[5:6], tiles), y[5:6])
+    many = torch.randn(150, k).bfloat16()
+    taken = many.float() if not torch.cpu._is_avx512_bf16_supported() else as_the_kernel_takes(many, k, 8)
+    exact = taken.double() @ levels.double().t()
+    torch.testing.assert_close(torch.ops.fastllama.int8_rows(many, tiles), exact, rtol=1e-5,
+                               atol=1e-6 * exact.abs().max().item(), check_dtype=False)
 
 
 @pytest.mark.parametrize("capability,kernel", [("AVX512", "cpu-fused"), ("AVX2", "cpu"), ("DEFAULT", "cpu")])
@@ -171,19 +213,6 @@ def int4_module(n: int, k: int, groupsize: int) -> tuple[Int4Linear, torch.Tenso
     return m, dequantize_int4(m.weight, m.scales, m.mins)[:, :k]
 
 
-def as_the_int4_kernel_takes(x: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """x as cpu_linear.cpp's int4 products multiply it: where cpu_decode.int4_rounds_activations, each block of 32
-    inputs (of x zero-padded to padded_in) rounded to int8 against its largest magnitude, ties to even; else x."""
-    if not cpu_decode.int4_rounds_activations():
-        return x.float()
-    k = x.shape[-1]
-    blocks = F.pad(x.float(), (0, padded_in - k)).unflatten(-1, (-1, 32))
-    largest = blocks.abs().amax(-1, keepdim=True)
-    # a true division, as the kernel's (127 / largest is 127 times largest's reciprocal, rounded twice)
-    levels = torch.round(blocks * torch.where(largest > 0, torch.tensor(127.0) / largest, 0))
-    return (levels * (largest / 127)).flatten(-2)[..., :k]
-
-
 @pytest.mark.parametrize("kernel,groupsize,n,k", int4_cases())
 def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
     m, w_ref = int4_module(n, k, groupsize)
@@ -193,7 +222,7 @@ def test_int4_linear_matches_dequantized_matmul(kernel, groupsize, n, k):
         with torch.no_grad():
             y = m(x)
         assert y.dtype == torch.bfloat16 and y.shape == (1, M, n)
-        x_taken = as_the_int4_kernel_takes(x, m.padded_in) if kernel == "cpu-tiles" else x.float()
+        x_taken = as_the_kernel_takes(x, m.padded_in, 4) if kernel == "cpu-tiles" else x.float()
         assert rel_err(y, F.linear(x_taken, w_ref)) <= BF16_RTOL, (kernel, groupsize, n, k, M)
 
 
@@ -213,7 +242,7 @@ def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     x = torch.randn(5, k).bfloat16()
     with torch.no_grad():
         y = quantize.int4_matmul(m.kernel, x, m.weight, g, m.scales_and_zeros)
-    assert rel_err(y, F.linear(as_the_int4_kernel_takes(x, k), w_ref)) < 1e-5
+    assert rel_err(y, F.linear(as_the_kernel_takes(x, k, 4), w_ref)) < 1e-5
 
 
 @pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")

@@ -5,13 +5,11 @@ the linears from one C++ loop a pass, so that the weights come from memory; the 
 ms of a pass and the median of the rounds' ratios of REV's form to the checkout's of the same build. Written for
 2026-12-01's change of the int8 products to integers (x rounded to int8 a block of 32 inputs, as the int4 products
 take it), whose layout differs from REV's bf16-pair tiles: REV's is made from the plain levels by
-cpu_decode.tiles_layout. First, how far each form's outputs part from the exact product of x as each takes it, on
-the head, 3 rows. With --head, the head alone. The change was not kept: the checkout side is the library with it
-applied (the patch is against cabe355's fastllama/, which this script's commit did not change).
+cpu_decode.tiles_layout. On AVX-512 a third form: the checkout's with a one-row pass loading its pieces 64 bytes at
+a time, as the passes of more rows do (the checkout's loads 32). First, how far each form's outputs part from the
+exact product of x as each takes it, on the head, 3 rows. With --head, the head alone.
 
-    git apply benchmarks/results/cpu-avx512-int8-integers.patch
-    python benchmarks/results/cpu-int8-integers-products.py cabe355 CHECKPOINT ROUNDS ROWS,ROWS,... [--head]
-    git checkout fastllama
+    python benchmarks/results/cpu-int8-integers-products.py REV CHECKPOINT ROUNDS ROWS,ROWS,... [--head]
 """
 import statistics
 import subprocess
@@ -49,8 +47,12 @@ def plain(w):
     return out
 
 
-def build(ns: str, rev: str | None, avx2: bool):
-    """cpu_linear.cpp of rev (None: the checkout) under the op namespace ns, with the loop; its int8_each"""
+ONE_ROW_LOADS = "int8_piece<R == 1>"  # the checkout's choice of loads, which the third form replaces
+
+
+def build(ns: str, rev: str | None, avx2: bool, wide_loads: bool = False):
+    """cpu_linear.cpp of rev (None: the checkout) under the op namespace ns, with the loop; its int8_each.
+    wide_loads: a one-row pass's pieces loaded 64 bytes at a time."""
     def source(name):
         if rev is None:
             return (root / "fastllama" / name).read_text()
@@ -58,6 +60,9 @@ def build(ns: str, rev: str | None, avx2: bool):
                               cwd=root).stdout
     d = Path(tempfile.mkdtemp())
     s = source("cpu_linear.cpp").replace("(fastllama, m)", f"({ns}, m)").replace("(fastllama, CPU, m)", f"({ns}, CPU, m)")
+    if wide_loads:
+        assert ONE_ROW_LOADS in s
+        s = s.replace(ONE_ROW_LOADS, "int8_piece<false>")
     (d / "cpu_linear.cpp").write_text(s + LOOP.replace("NS", ns))
     (d / "cpu_vectors.h").write_text(source("cpu_vectors.h"))
     flags = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512f"] if avx2 else [])
@@ -86,6 +91,8 @@ def main():
     for b in builds:
         forms[f"{rev} {b}"] = (build(f"rev8_{b.lower()}", rev, b == "AVX2"), "rev")
         forms[f"checkout {b}"] = (build(f"checkout8_{b.lower()}", None, b == "AVX2"), "checkout")
+    if builds[-1] == "AVX2":  # the checkout's one-row pass with 64-byte loads
+        forms["checkout native, 64-byte loads"] = (build("wide8_native", None, False, wide_loads=True), "checkout")
     ws = {"checkout": [m.weight for m in linears]}
     levels = [plain(w) for w in ws["checkout"]]
     ws["rev"] = [cpu_decode.tiles_layout(q) for q in levels]
@@ -122,6 +129,10 @@ def main():
             ratio = statistics.median(a / c for a, c in zip(old, new))
             print(f"  {b}: {rev} {statistics.median(old):.3f} ms, checkout {statistics.median(new):.3f} ms "
                   f"({MB / statistics.median(new):.1f} GB/s); {rev} / checkout {ratio:.3f}")
+        if "checkout native, 64-byte loads" in times:
+            wide, new = times["checkout native, 64-byte loads"], times["checkout native"]
+            ratio = statistics.median(a / c for a, c in zip(wide, new))
+            print(f"  native, 64-byte loads: {statistics.median(wide):.3f} ms; over the checkout's {ratio:.3f}")
 
 
 if __name__ == "__main__":
