@@ -388,45 +388,12 @@ struct Rounded {
   }
 };
 
-#ifndef __AVX512BF16__
-// With AVX2 a product of many rows is bound by its arithmetic, which at::mm's fp32 blocking does faster than the
-// tiles: past MATMUL_ROWS rows int8_rows converts the levels to fp32 in their plain order, MATMUL_OUTPUTS outputs at
-// a time (benchmarks/RESULTS.md, "Products of our own on AVX2")
-constexpr int64_t MATMUL_ROWS = 128;
-constexpr int64_t MATMUL_OUTPUTS = 256;
-
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w) {
-  const int64_t nt = w.size(0), N = nt * TILE, K = x.size(1), TILE_BYTES = IntTiles<8>::TILE_BYTES;
-  const at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = at::empty({x.size(0), N}, xf.options()), block = at::empty({MATMUL_OUTPUTS, K}, xf.options());
-  const int8_t* levels = w.data_ptr<int8_t>();
-  for (int64_t o0 = 0; o0 < N; o0 += MATMUL_OUTPUTS) {
-    const int64_t n = std::min(MATMUL_OUTPUTS, N - o0);
-    float* plain = block.data_ptr<float>();
-    at::parallel_for(o0, o0 + n, TILE, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; o++) {  // output o is lane o % 16 of tile o / 16 % 4 of group o / 64
-        const int64_t g = o / (TILES * TILE), tiles = std::min<int64_t>(TILES, nt - g * TILES);
-        const int8_t* first = levels + g * TILES * TILE * K + (o / TILE % TILES) * TILE_BYTES + 4 * (o % TILE);
-        float* row = plain + (o - o0) * K;
-        for (int64_t k = 0; k < K; k++)  // block k / 32, piece k % 32 / 4, byte k % 4
-          row[k] = first[k / 32 * tiles * TILE_BYTES + k % 32 / 4 * 64 + k % 4];
-      }
-    });
-    y.narrow(1, o0, n).copy_(at::mm(xf, block.narrow(0, 0, n).t()));
-  }
-  return y;
-}
-#endif
-
 // x (M, K) bf16; w (N/16, K/32, 512) int8 as quantize.int8_rows_layout makes it. Returns y (M, N) fp32, unscaled.
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 512 &&
                   w.scalar_type() == at::kChar && x.size(1) == 32 * w.size(1),
               "int8_rows: x (M, K) bf16, w (N/16, K/32, 512) int8");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-#ifndef __AVX512BF16__
-  if (x.size(0) > MATMUL_ROWS) return int8_matmul(xc, wc);
-#endif
   const int64_t M = x.size(0), nb = w.size(1);
   at::Tensor y = at::empty({M, w.size(0) * TILE}, x.options().dtype(at::kFloat));
   const Rounded r(xc, nb);

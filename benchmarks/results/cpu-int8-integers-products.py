@@ -7,9 +7,10 @@ ms of a pass and the median of the rounds' ratios of REV's form to the checkout'
 take it), whose layout differs from REV's bf16-pair tiles: REV's is made from the plain levels by
 cpu_decode.tiles_layout. On AVX-512 a third form: the checkout's with a one-row pass loading its pieces 64 bytes at
 a time, as the passes of more rows do (the checkout's loads 32). First, how far each form's outputs part from the
-exact product of x as each takes it, on the head, 3 rows. With --head, the head alone.
+exact product of x as each takes it, on the head, 3 rows. With --head, the head alone. With --same-layout, a REV
+since that change takes the checkout's layout, and x as the checkout takes it.
 
-    python benchmarks/results/cpu-int8-integers-products.py REV CHECKPOINT ROUNDS ROWS,ROWS,... [--head]
+    python benchmarks/results/cpu-int8-integers-products.py REV CHECKPOINT ROUNDS ROWS,ROWS,... [--head] [--same-layout]
 """
 import statistics
 import subprocess
@@ -95,7 +96,8 @@ def main():
         forms["checkout native, 64-byte loads"] = (build("wide8_native", None, False, wide_loads=True), "checkout")
     ws = {"checkout": [m.weight for m in linears]}
     levels = [plain(w) for w in ws["checkout"]]
-    ws["rev"] = [cpu_decode.tiles_layout(q) for q in levels]
+    same = "--same-layout" in sys.argv
+    ws["rev"] = ws["checkout"] if same else [cpu_decode.tiles_layout(q) for q in levels]
     ks = [q.shape[1] for q in levels]
     K = max(ks)
     MB = sum(w.numel() for w in ws["checkout"]) / 1e6
@@ -104,7 +106,7 @@ def main():
     head = x[:, :ks[-1]]
     for name, (f, layout) in forms.items():
         y = f(x, ws[layout], ks)
-        taken = head.float() if layout == "rev" else rounded(head)
+        taken = head.float() if layout == "rev" and not same else rounded(head)
         exact = taken.double() @ levels[-1].double().t()
         against_x = head.double() @ levels[-1].double().t()
         print(f"{name}: max |diff| / max |y| against x as it takes it {((y - exact).abs().max() / exact.abs().max()).item():.2e}"
