@@ -163,10 +163,8 @@ def built(name: str, what: str) -> bool:
         return False
     try:
         from torch.utils import cpp_extension
-        # PyTorch builds again when a source or a flag has changed, not a header: the header's digest is a flag
-        header = hashlib.sha256(Path(__file__).with_name("cpu_vectors.h").read_bytes()).hexdigest()[:16]
-        cpp_extension.load(f"fastllama_{name}", [str(Path(__file__).with_name(f"{name}.cpp"))],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DFASTLLAMA_VECTORS={header}"],
+        source = Path(__file__).with_name(f"{name}.cpp")
+        cpp_extension.load(extension_name(source), [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            is_python_module=False)
     except Exception as e:  # noqa: BLE001 (any failure to build leaves the compiled form, which is correct)
         said = (str(e).splitlines() or [type(e).__name__])[0]
@@ -174,6 +172,13 @@ def built(name: str, what: str) -> bool:
               file=sys.stderr)
         return False
     return True
+
+
+def extension_name(source: Path) -> str:
+    """A kernel's build name, with the digest of its source and the header it includes: PyTorch keeps one build a
+    name, so a fork and the installed library, or two checkouts, each keep their own rather than rebuild in turn."""
+    digest = hashlib.sha256(source.read_bytes() + source.with_name("cpu_vectors.h").read_bytes()).hexdigest()[:12]
+    return f"fastllama_{source.stem}_{digest}"
 
 
 @functools.cache

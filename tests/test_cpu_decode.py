@@ -67,6 +67,20 @@ def test_the_kernels_build_where_the_cpu_and_a_compiler_allow():
     assert (cpu_decode.bf16_kernel() is not None) == bf16
 
 
+def test_a_kernels_build_name_follows_its_source_and_header(tmp_path):
+    """Two versions of a kernel (a fork beside the installed library) are built under names of their own, so that
+    neither rebuilds over the other; one source keeps its name (PyTorch then reuses its build)."""
+    source, header = tmp_path / "cpu_linear.cpp", tmp_path / "cpu_vectors.h"
+    source.write_text("// a kernel\n")
+    header.write_text("// its vectors\n")
+    first = cpu_decode.extension_name(source)
+    assert first.startswith("fastllama_cpu_linear_") and cpu_decode.extension_name(source) == first
+    header.write_text("// its vectors, changed\n")
+    second = cpu_decode.extension_name(source)
+    source.write_text("// a kernel, changed\n")
+    assert len({first, second, cpu_decode.extension_name(source)}) == 3
+
+
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
 @pytest.mark.parametrize("slots", [64, None])
 @pytest.mark.parametrize("variant", VARIANTS)
