@@ -228,7 +228,7 @@ def rounds_activations(bits: int) -> bool:
     inputs at a time, as llama.cpp's products with a Q4 or Q8_0 weight do: wherever the kernel is built, since its
     products in integers take less time than the exact forms, which were bound by their arithmetic (benchmarks/
     RESULTS.md, "Int4 products in integers on AVX2", "Int4 products in integers on AVX-512", "Int8 products in
-    integers"). PyTorch's kernels take x exact, and so does int8's matmul of more than 128 rows on AVX2."""
+    integers"). PyTorch's kernels take x exact."""
     return (int4_kernel() if bits == 4 else int8_kernel()) is not None
 
 

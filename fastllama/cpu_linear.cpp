@@ -27,8 +27,9 @@
 // place) and multiplied in integers as int4's, x rounded alike (as llama.cpp's products against a Q8_0 weight); its
 // scales applied by the caller. The exact form before (x in bf16, the levels converted to bf16 as read) was bound
 // by the conversion past one row: this takes 1.16-1.63x less time at 2 to 512 rows and about as long at one
-// (1.04x), for a perplexity 0.4% higher (benchmarks/RESULTS.md, "Int8 products in integers"). With AVX2 more than
-// 128 rows are a matmul in fp32 of the levels converted, x exact ("Products of our own on AVX2").
+// (1.04x), for a perplexity 0.4% higher (benchmarks/RESULTS.md, "Int8 products in integers"). With AVX2 too at any
+// count of rows: past 128 they took 1.3-1.7x less time than a matmul in fp32 of the levels converted ("Int8 and int4
+// products in integers on the AVX2 machine").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

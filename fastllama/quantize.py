@@ -330,8 +330,8 @@ class Int4ExpertLinears(ExpertLinears):
 
 def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> str:
     """How int8 runs here. On CPUs with AVX-512 BF16 or AVX2, cpu_linear.cpp's kernel for a bf16 model's shapes
-    it takes, whole blocks of 32 inputs (benchmarks/RESULTS.md, "Int8 products in integers", "Products of our own on
-    AVX2": there it multiplies more than 128 rows as a matmul in fp32). Otherwise on CPU, compiled code's fused
+    it takes, whole blocks of 32 inputs, for any count of rows (benchmarks/RESULTS.md, "Int8 products in integers",
+    "Int8 and int4 products in integers on the AVX2 machine"). Otherwise on CPU, compiled code's fused
     multiply-and-sum pays only with AVX-512, whose masked loads take the int8 weight a part-vector at a time;
     with AVX2 inductor copies each 8 bytes through memory first, and PyTorch's int8 kernel is faster
     (benchmarks/RESULTS.md, "CPUs without AVX-512"). On a GPU, kernels.py's, where Triton is."""

@@ -132,8 +132,9 @@ def test_int8_linear_compiled_one_row(n, k, shape, kernel):
 def test_the_int8_kernel_multiplies_x_as_rounded_and_a_row_alone_as_in_a_batch(n, k):
     """cpu_linear.cpp's int8_rows over int8_rows_layout's weight (levels -128 to 127): x as it takes it (rounded
     to int8 a block of 32 inputs at a time) times the levels, to fp32's rounding, for 1 to 20 rows (passes of 4
-    over each group of tiles; a pass of one row loads the levels its own way) and 150; and each row's numbers the same bits alone as in a batch (a request's tokens in the server do not
-    depend on who shares its steps; speculation's verify steps reproduce decoding's)."""
+    over each group of tiles; a pass of one row loads the levels its own way) and 150; and each row's numbers the
+    same bits alone as in a batch (a request's tokens in the server do not depend on who shares its steps;
+    speculation's verify steps reproduce decoding's)."""
     levels = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     tiles = quantize.int8_rows_layout(levels.clone())
     x = torch.randn(20, k).bfloat16()
