@@ -109,7 +109,9 @@ class KVCache(nn.Module):
     def __init__(self, max_batch_size, length, n_heads, head_dim, dtype, device=None, store_dtype=None):
         super().__init__()
         shape = (max_batch_size, n_heads, length, head_dim)
-        self.dtype, store_dtype = dtype, store_dtype or dtype
+        # no dtype kept as an attribute: dynamo's guard on one is not among those that dict tags let it skip
+        # (generate.compiled_once), so the scales carry the model's dtype, and read() is told what to return
+        store_dtype = store_dtype or dtype
         self.register_buffer("k_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=store_dtype, device=device), persistent=False)
         if store_dtype in SCALED_KV_MAX:  # a scale per token and head: (B, n_heads, length, 1)
@@ -132,15 +134,15 @@ class KVCache(nn.Module):
             scale = (x.float().abs().amax(-1, keepdim=True) / SCALED_KV_MAX[store]).clamp(min=1e-8)  # (B, T, n_kv, 1)
             levels = x.float() / scale
             cache[rows, :, slots] = (levels.round() if store == torch.int8 else levels).to(store)
-            scales[rows, :, slots] = scale.to(self.dtype)
+            scales[rows, :, slots] = scale.to(scales.dtype)
 
-    def read(self, B: int, n_read: int, first: int = 0) -> tuple[Tensor, Tensor]:
+    def read(self, B: int, n_read: int, first: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The keys and values of rows first .. first + B - 1, their first n_read slots, (B, n_kv, n_read, hd),
-        in the model's dtype (compiled code fuses the conversion into the loop that reads them)."""
+        in dtype, the model's (compiled code fuses the conversion into the loop that reads them)."""
         rows = slice(first, first + B)
         if self.k_cache.dtype not in SCALED_KV_MAX:
-            return self.k_cache[rows, :, :n_read].to(self.dtype), self.v_cache[rows, :, :n_read].to(self.dtype)
-        return tuple(cache[rows, :, :n_read].to(self.dtype) * scales[rows, :, :n_read]
+            return self.k_cache[rows, :, :n_read].to(dtype), self.v_cache[rows, :, :n_read].to(dtype)
+        return tuple(cache[rows, :, :n_read].to(dtype) * scales[rows, :, :n_read]
                      for cache, scales in ((self.k_cache, self.k_scales), (self.v_cache, self.v_scales)))
 
 
@@ -431,7 +433,7 @@ class Attention(nn.Module):
         few = (statically_known_true(rows <= self.decode_rows) if torch.compiler.is_compiling()
                else rows <= self.decode_rows)
         if self.decode_kernel is None or self.softcap is not None or not few:
-            k, v = self.kv_cache.read(B, mask.shape[-1], first)  # (B, n_kv, n, hd)
+            k, v = self.kv_cache.read(B, mask.shape[-1], first, q.dtype)  # (B, n_kv, n, hd)
             return self.attend(q, k, v, mask)
         cache = self.kv_cache
         scales = (cache.k_scales[first:], cache.v_scales[first:]) if hasattr(cache, "k_scales") else (None, None)

@@ -86,6 +86,35 @@ def test_compiled_steps_leave_decode_plain_and_give_eager_tokens():
 
 
 @torch.no_grad()
+def test_compiled_steps_see_what_changed_in_the_model_since_their_last_call():
+    """However dynamo checks its guards (by dict tags from Python 3.12 on, as compiled_steps sets it), a
+    change to the model between calls reaches the compiled step: a layer's attribute the graph took as a
+    constant, a weight put in another's place, and caches made anew in another format. After each change the
+    compiled steps give the eager tokens (the first two changes change them)."""
+    steps = gen.compiled_steps()
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, block_size=128)).eval()
+    cpu_decode.apply(model)
+    prompt = torch.randint(0, 64, (7,))
+
+    def tokens(kv_cache_dtype=None):
+        eager = generate(model, prompt, 12, temperature=0, kv_cache_dtype=kv_cache_dtype)
+        compiled = generate(model, prompt, 12, temperature=0, kv_cache_dtype=kv_cache_dtype, steps=steps)
+        assert compiled.tolist() == eager.tolist()
+        return eager.tolist()
+
+    seen = [tokens()]
+    for layer in model.layers:  # Gemma's form of the norm, x scaled by 1 + weight: a constant in the graph
+        layer.attention_norm.offset = layer.ffn_norm.offset = 1.0
+    seen.append(tokens())
+    w2 = model.layers[1].feed_forward.w2
+    w2.weight = torch.nn.Parameter(w2.weight * -4, requires_grad=False)
+    seen.append(tokens())
+    assert seen[0] != seen[1] != seen[2]
+    tokens(torch.int8)  # new cache modules, holding int8 levels and their scales
+
+
+@torch.no_grad()
 def test_chunked_prefill_equals_one_forward(model_fp32):
     """Prompts prefilled 8 positions a forward (3 forwards for 17: 8, 7 and 2, since a last chunk of
     one position takes one more) leave the logits and the cache of one forward over all of them (fp32),

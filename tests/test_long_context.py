@@ -107,7 +107,7 @@ def test_scaled_kv_formats_read_back_within_their_rounding(store, bound):
     k, v = torch.randn(2, 5, 3, 64) * torch.rand(2, 5, 3, 1) * 10, torch.randn(2, 5, 3, 64)
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
     cache.write(pos, k, v)
-    k_read, v_read = cache.read(2, 16)
+    k_read, v_read = cache.read(2, 16, 0, torch.float32)
     for x, read in ((k, k_read), (v, v_read)):
         written = read[torch.arange(2)[:, None], :, pos]  # (B, T, n_kv, hd)
         scale = x.abs().amax(-1, keepdim=True)

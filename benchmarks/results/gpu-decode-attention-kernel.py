@@ -82,7 +82,7 @@ def main():
                 depth = torch.arange(S - T, S, device="cuda")[None]  # the step's positions, the last slot's last
                 mask = attention_mask(depth, torch.arange(S, device="cuda")[None])
                 q = torch.randn(1, N_KV * GROUP, T, HD, device="cuda", dtype=torch.bfloat16)
-                k, v = attentions[0].kv_cache.read(1, S)
+                k, v = attentions[0].kv_cache.read(1, S, 0, torch.bfloat16)
                 exact = attentions[0].attend(q.float(), k.float(), v.float(), mask)
                 written = lambda a: step(q, mask, *a.kv_cache.buffers())  # noqa: E731
                 kernel = lambda a, **tiles: kernels.attend(  # noqa: E731
