@@ -303,9 +303,10 @@ def compiled_once(dynamic_prefill: bool) -> decode.Steps:
     torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
     # Before each call dynamo checks its guards down the module tree to every weight: on a small model's CPU
     # step, a sixth of its time. With dict tags, a subtree whose dicts have not changed since passes in one
-    # look (benchmarks/RESULTS.md, "Dynamo's guards by dict tags on Python 3.12"). Only where Python watches
-    # dicts for it: before 3.12 the tags are read through raw pointers, unsafe once a module is replaced
-    # (setup_caches does) while its parent lives (pytorch/pytorch#188101).
+    # look (benchmarks/RESULTS.md, "Dynamo's guards by dict tags on Python 3.12"; caches made anew turn that
+    # off for the graphs compiled before them). Only where Python watches dicts for it: before 3.12 the tags
+    # are read through raw pointers, unsafe once a module is replaced (setup_caches does) while its parent
+    # lives (pytorch/pytorch#188101).
     if sys.version_info >= (3, 12) and not sysconfig.get_config_var("Py_GIL_DISABLED"):
         torch._dynamo.config.use_recursive_dict_tags_for_guards = True
 
