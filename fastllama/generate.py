@@ -306,9 +306,9 @@ def compiled_once(dynamic_prefill: bool) -> decode.Steps:
     # look (benchmarks/RESULTS.md, "Dynamo's guards by dict tags on Python 3.12"; caches made anew turn that
     # off for the graphs compiled before them). Only where Python watches dicts for it: before 3.12 the tags
     # are read through raw pointers, unsafe once a module is replaced (setup_caches does) while its parent
-    # lives (pytorch/pytorch#188101).
-    if sys.version_info >= (3, 12) and not sysconfig.get_config_var("Py_GIL_DISABLED"):
-        torch._dynamo.config.use_recursive_dict_tags_for_guards = True
+    # lives (pytorch/pytorch#188101). Set either way: PyTorch 2.11 has it on for every Python, 2.13 for none.
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = (
+        sys.version_info >= (3, 12) and not sysconfig.get_config_var("Py_GIL_DISABLED"))
 
     def fixed(step):  # dynamic=False: a new cache length or batch size compiles anew, no shape turns symbolic
         return copied_out(torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False))
