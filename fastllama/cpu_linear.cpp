@@ -19,17 +19,17 @@
 // tile's 16 outputs' levels by 4 inputs' xq and adds the 4 products into each output's int32 sum (64 products an
 // instruction, over levels that need no widening); with AVX2 vpmaddubsw adds pairs of products into int16, and
 // vpmaddwd adds the pairs into int32 once a block. The exact forms before them were bound by their arithmetic: on
-// AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes 1.23-1.61x less time at 1 to 512 rows, for
-// a perplexity 0.25% higher (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
+// AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes less time at any count of rows, for a
+// slightly higher perplexity (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
 // in integers on AVX2").
 //
 // int8 (int8_rows): quantize.Int8Linear's levels, a byte each, laid out as int4's (quantize.int8_rows_layout, in
 // place) and multiplied in integers as int4's, x rounded alike (as llama.cpp's products against a Q8_0 weight); its
 // scales applied by the caller. The exact form before (x in bf16, the levels converted to bf16 as read) was bound
-// by the conversion past one row: this takes 1.16-1.63x less time at 2 to 512 rows and about as long at one
-// (1.04x), for a perplexity 0.4% higher (benchmarks/RESULTS.md, "Int8 products in integers"). With AVX2 too at any
-// count of rows: past 128 they took 1.3-1.7x less time than a matmul in fp32 of the levels converted ("Int8 and int4
-// products in integers on the AVX2 machine").
+// by the conversion past one row: this takes less time from two rows on and about as long at one, for a slightly
+// higher perplexity (benchmarks/RESULTS.md, "Int8 products in integers"). With AVX2 too at any count of rows: past
+// 128 less time than a matmul in fp32 of the levels converted ("Int8 and int4 products in integers on the AVX2
+// machine").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -153,8 +153,8 @@ inline Vec block_sums(Dots d) { return _mm512_cvtepi32_ps(d); }
 
 // An int8 piece: vpdpbusd takes unsigned levels, so a level is read with its top bit flipped, as the level + 128,
 // and y takes LEVEL_OFFSET xs sum xq back once a row. A pass of one row is bound by the read of the weight, which
-// Zen 4 streamed faster in 32-byte loads than in 64-byte ones (1.15-1.25x for an int8 model's linears; benchmarks/
-// RESULTS.md, "Int8 products in integers"); passes of more rows read it as fast either way.
+// Zen 4 streamed faster in 32-byte loads than in 64-byte ones (benchmarks/RESULTS.md, "Int8 products in integers");
+// passes of more rows read it as fast either way.
 using Bytes = __m512i;
 using Sums = __m512i;  // int32, one an output
 constexpr float LEVEL_OFFSET = 128.f;
@@ -228,8 +228,8 @@ inline Vec block_sums(Sums d) { return {_mm256_cvtepi32_ps(d.lo), _mm256_cvtepi3
 // a time (round_blocks). int4: each tile and block's 16 scales, then 16 mins, in sm (a block's part of y: s xs sum q xq
 // + m xs sum xq); int8: signed levels, their scales the caller's (a block's part: xs sum q xq). A group's tiles lie
 // block by block, so that the group is one stream. A pass of up to 4 rows reads each piece's levels once for all of
-// them: with AVX2, 1.25-1.4x less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of
-// several rows on AVX2").
+// them: with AVX2, less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of several
+// rows on AVX2").
 template <int Bits, typename Scale = at::BFloat16>
 struct IntTiles {
   static constexpr int MAX_ROWS = 4;

@@ -44,7 +44,7 @@ def configs(block_m: int) -> list[triton.Config]:
     padded to 16. Those kept won on some shape (benchmarks/RESULTS.md, "A sixth GPU session": its raw
     record has every tile's time). The tensor-core tiles 16 outputs wide are not yet timed: at 32, a weight
     of 4,096 outputs gives 128 programs, fewer than an H100's or H200's 132 multiprocessors, and int8's
-    verify step costs 1.35x a plain one ("A ninth GPU session")."""
+    verify step is still short of its goal ("A ninth GPU session")."""
     fma = {1: [(16, 512), (8, 1024)], 2: [(16, 256), (8, 512)], 4: [(8, 256), (16, 128)], 8: [(8, 128)]}[block_m]
     return ([triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": False}, num_warps=4, num_stages=1) for n, k in fma]
             + [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "DOT": True}, num_warps=4, num_stages=s)
@@ -133,13 +133,13 @@ def _(x, weight, scales):
 
 # Decode attention: the query rows of a decode or verify step (a key/value head's query heads times the
 # step's positions, up to ATTENTION_ROWS) against the cache as it is stored. Written out as two products,
-# compiled code reads a bf16 cache at 0.74 TB/s at 32k on an H200, and converts an int8 or fp8 cache to a
-# bf16 copy first, which makes the smaller caches slower (benchmarks/RESULTS.md, "A fifth GPU session").
+# compiled code reads a bf16 cache at a fraction of the memory's bandwidth at depth, and converts an int8 or
+# fp8 cache to a bf16 copy first, which makes the smaller caches slower (benchmarks/RESULTS.md, "A fifth GPU session").
 # Here each program reads one slice of one head's keys once for all its rows (split-K decoding: at depth,
 # enough programs to keep every multiprocessor reading), scales int8/fp8 levels after the product (a
 # score times its key's scale, a probability times its value's), and keeps an online softmax; a second
-# kernel joins the slices. At 32k the 8B's step reads a bf16 cache at 2.85 TB/s this way; its tiles won
-# or tied there (benchmarks/RESULTS.md, "An eighth GPU session", "A ninth GPU session").
+# kernel joins the slices. At depth the 8B's step reads a bf16 cache several times as fast this way; its
+# tiles won or tied there (benchmarks/RESULTS.md, "An eighth GPU session", "A ninth GPU session").
 ATTENTION_ROWS = 64
 ATTENTION_PROGRAMS = 1024  # programs to aim for at depth: several a multiprocessor, bytes in flight
 

@@ -347,8 +347,8 @@ def int8_kernel(device: torch.device, out_features: int, in_features: int, dtype
 
 def int4_kernel(device: torch.device, out_features: int) -> str:
     """Which int4 kernel this device and shape can use; "dequantize" where none can. On CPUs with AVX-512
-    BF16 or AVX2, cpu_linear.cpp's: against PyTorch's, with AVX-512 BF16 1.9x at many rows (prefill), 1.5x at
-    six, even at one (benchmarks/RESULTS.md, "Int4 products of our own on CPU"); with AVX2 1.2-1.4x at every
+    BF16 or AVX2, cpu_linear.cpp's: with AVX-512 BF16 faster than PyTorch's at many rows (prefill) and at a
+    few, as fast at one (benchmarks/RESULTS.md, "Int4 products of our own on CPU"); with AVX2 faster at every
     count ("Products of our own on AVX2")."""
     if device.type == "cuda":
         ok = torch.cuda.get_device_capability(device) >= (8, 0) and out_features % 8 == 0

@@ -131,9 +131,9 @@ class Engine:
         self.join_chunk = min(join_chunk, prefill_chunk, context)
         model.setup_caches(max_batch + 1, context, prefill_chunk, kv_cache_dtype)
         # a CPU bf16 model's steps read a second copy of its weights, in cpu_linear.cpp's tiles where it builds:
-        # a step of 8 rows takes 1.2x one row's so, 2.8x through the plain weights (benchmarks/RESULTS.md,
-        # "Bf16 products of our own on CPU"); so do its prompts of up to cpu_decode.TILE_ROWS positions, longer
-        # ones read the plain weights ("The server's prompts through the tiles")
+        # a step of 8 rows costs little more than one row's so, several times as much through the plain weights
+        # (benchmarks/RESULTS.md, "Bf16 products of our own on CPU"); so do its prompts of up to
+        # cpu_decode.TILE_ROWS positions, longer ones read the plain weights ("The server's prompts through the tiles")
         cpu_decode.pack(model)
 
     def call(self, name: str, *args):

@@ -64,7 +64,7 @@ def depths_main(args):
           f"{deepest_cache} positions; MBU: weight and KV bytes a step reads over the measured copy bandwidth, "
           f"{bandwidth:.0f} GB/s")
     # Each round measures ours, then llama.cpp: the machine's slower and faster spells fall on both, and
-    # a ratio is taken within a round before the rounds' median (a VM's 2 cores swing 1.2x in minutes).
+    # a ratio is taken within a round before the rounds' median (a VM's speed swings within minutes).
     rows, peers, rounds = {}, {}, []
     for r in range(args.rounds):
         if args.rounds > 1:
