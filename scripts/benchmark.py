@@ -65,7 +65,7 @@ def compiled_apart():
     """decode_one_token compiled as generate.py compiles it, under a code object of its own, for an A/B run of
     two models or kernels in one process: dynamo keeps one code object's graphs together and tries the newest
     first, so that through one compiled step the other side would pay for those guards failing before its own
-    pass (2-6% of a small model's step on this CPU: benchmarks/RESULTS.md, "Rounds of ours and llama-bench in
+    pass (a few percent of a small model's CPU step: benchmarks/RESULTS.md, "Rounds of ours and llama-bench in
     turn; A/B runs through one compiled step")."""
     f = decode.decode_one_token
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
