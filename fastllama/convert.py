@@ -342,10 +342,11 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # GGUF files: the bundled model, and any llama-architecture file a user has
 
-# what a GGUF file's linears become, by the type that holds most of their weights (gguf_mode): Q4_0
-# and Q4_1 are int4's own layout and copied as they are; other types are dequantized, then quantized
-# to the mode of the nearest size (with a notice), and a float file stays unquantized
-GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1")
+# what a GGUF file's linears become, by the type that holds most of their weights (gguf_mode): Q4_0,
+# Q4_1 and Q4_K are int4's own layout (at groupsize 32) and copied as they are (quantize.q4_levels);
+# other types are dequantized, then quantized to the mode of the nearest size (with a notice), and a
+# float file stays unquantized
+GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1", "Q4_K")
 GGUF_INT8 = ("Q8_0", "Q8_1", "Q8_K", "Q6_K")
 GGUF_FLOATS = ("F32", "F16", "BF16")
 # Llama 3's split of a text into words before its byte-level BPE (the Split pre-tokenizer of its tokenizer.json)
@@ -378,17 +379,40 @@ def bundled_checkpoint() -> Path:
     return DEFAULT_CHECKPOINT
 
 
-def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
-    """The quantize.py mode a GGUF file's linears take (None: unquantized), by the type that holds most
-    of the layers' weights; and a notice naming the types it does not copy as they are (None if none)."""
-    weights = {}  # tensor type -> elements, over the layers' matrices
+def gguf_layer_weights(tensors: dict) -> dict[str, int]:
+    """A GGUF file's layers' matrices: their elements by tensor type, the most first."""
+    weights = {}
     for name, t in tensors.items():
         if name.startswith("blk.") and len(t.shape) == 2:
             weights[t.tensor_type.name] = weights.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return dict(sorted(weights.items(), key=lambda kind: -kind[1]))
+
+
+def gguf_int8_types(weights: dict[str, int]) -> set[str]:
+    """The types that an int4-gguf import keeps in int8 (quantize.Int4GGUF's int8_layers): those of more bits a
+    weight than the file's main type, other than Q4 ones, which int4 copies. llama.cpp's mixes keep their most
+    sensitive matrices so (in some layers, a Q4_K_M file's attn_v and ffn_down in Q6_K, a Q4_K_S file's attn_v
+    in Q5_K), and rounding them to int4 would take them several times as far from the file."""
+    import gguf
+
+    def bits(kind: str) -> float:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        return size * 8 / block
+
+    main = next(iter(weights))
+    return {kind for kind in weights if kind not in GGUF_LOSSLESS_INT4 and bits(kind) > bits(main)}
+
+
+def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
+    """The quantize.py mode a GGUF file's linears take (None: unquantized), by the type that holds most
+    of the layers' weights; and a notice naming the types it does not copy as they are (None if none)."""
+    weights = gguf_layer_weights(tensors)
     if not weights:
         raise UserError(f"{gguf_path} holds no layers' weights (no blk.N tensors): not a model this import takes")
-    main = max(weights, key=weights.get)
-    if main in GGUF_LOSSLESS_INT4:
+    main = next(iter(weights))
+    # int4 copies what is int4 already: a small model's Q4_K_M file holds its rows of inputs not a multiple of
+    # K-quants' 256 in Q5_0, most of its weights, beside Q4_K
+    if main not in GGUF_INT8 + GGUF_FLOATS and any(t in GGUF_LOSSLESS_INT4 for t in weights):
         mode, kept = "int4-gguf", GGUF_LOSSLESS_INT4
     elif main in GGUF_FLOATS:
         mode, kept = None, ()
@@ -399,7 +423,13 @@ def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
         return mode, None
     into = {None: "kept unquantized in bf16", "int8": "quantized again as int8 (per output channel)"}.get(
         mode, "quantized again as int4 (groups of 32)")
-    return mode, f"{gguf_path.name}: its {', '.join(changed)} weights are dequantized and {into}"
+    eight = sorted(gguf_int8_types(weights)) if mode == "int4-gguf" else []
+    four = [t for t in changed if t not in eight]
+    said = [f"its {', '.join(four)} weights are dequantized and {into}"] if four else []
+    if eight:
+        said.append(f"its {', '.join(eight)} weights are dequantized and quantized again as int8 (per output "
+                    f"channel), with any others a linear of ours joins to them")
+    return mode, f"{gguf_path.name}: {'; '.join(said)}"
 
 
 def gguf_fields(reader) -> dict:

@@ -383,6 +383,7 @@ class Scheme:
     groupsize: int | None = None
     fallback: str | None = None  # the kernel of a device that has none of the scheme's own: noted at load
     made_in_memory = True  # False where making it takes more than the weights (a calibration text, a GGUF)
+    int8_layers: frozenset = frozenset()  # linears kept in int8 besides the head (Int4GGUF's)
 
     @classmethod
     def from_options(cls, groupsize: int, **calibration) -> "Scheme":
@@ -498,48 +499,79 @@ class Int4GPTQ(Int4):
 
 
 class Int4GGUF(Int4):
-    """For a checkpoint imported from a GGUF file: llama.cpp's Q4_1 (blocks of 32: scale d, min m,
-    levels q, w = d * q + m) and Q4_0 (w = d * (q - 8): min -8d) are int4's layout at groupsize 32, so
-    those linears are copied from the GGUF, not re-quantized: the file holds their levels and fp16
-    scales and mins exactly (at run time the int4 kernels take scales and zeros in bf16, to which these
-    round: about 2^-9 of each, relative). A linear the GGUF holds in another type (a Q6_K among a
-    Q4_K_M file's, say) is rounded to int4 from the import's dequantized weight. Its method keeps the
-    name it was first written with, for the bundled model's Q4_1."""
+    """For a checkpoint imported from a GGUF file: llama.cpp's Q4_0, Q4_1 and Q4_K (q4_levels) are int4's
+    layout at groupsize 32, so those linears are copied from the GGUF, not re-quantized (rounding a
+    dequantized Q4_K weight to nearest again would move it off the file's grid): the file's levels as they
+    are, and its scales and mins in fp16 (Q4_0's and Q4_1's exactly, Q4_K's d sc and dmin mn to fp16's
+    precision; at run time the int4 kernels take scales and zeros in bf16, to which these round: about 2^-9
+    of each, relative). A linear of ours that the GGUF holds in part in more bits than most
+    (convert.gguf_int8_types: the Q6_K of some layers' attn_v and ffn_down in a Q4_K_M file, beside Q4_K q
+    and k in our wqkv) is int8 (int8_layers), rounded per output channel from the import's dequantized
+    weight: int4 would take those parts several times as far from the file, and its logits from llama.cpp's
+    (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The others are int4:
+    rounded to it from the dequantized weight, but for their Q4 parts, copied. Its method keeps the name it
+    was first written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
 
-    def __init__(self, groupsize: int = 32):
+    def __init__(self, groupsize: int = 32, int8_layers=()):
         super().__init__(groupsize)
-        self.tensors, self.parts = {}, {}  # the GGUF's tensors by name, and those of each of ours, once prepared
+        self.int8_layers = frozenset(int8_layers)
+        # the GGUF's tensors by name, those it holds in a type copied, and those of each of ours, once prepared
+        self.tensors, self.copied, self.parts = {}, set(), {}
 
     @classmethod
     def from_options(cls, groupsize: int, **calibration) -> "Int4GGUF":
         if groupsize != 32:
-            raise UserError("int4-gguf keeps the GGUF's Q4_0 and Q4_1 groups of 32: leave out --groupsize")
+            raise UserError("int4-gguf keeps the GGUF's Q4_0, Q4_1 and Q4_K groups of 32: leave out --groupsize")
         return cls()
+
+    @classmethod
+    def from_metadata(cls, entry: dict) -> "Int4GGUF":
+        return cls(int8_layers=entry.get("int8_layers", ()))
+
+    def metadata(self) -> dict:
+        return {**super().metadata(), **({"int8_layers": sorted(self.int8_layers)} if self.int8_layers else {})}
 
     def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
         import gguf
 
-        from .convert import gguf_names
+        from .convert import GGUF_LOSSLESS_INT4, gguf_int8_types, gguf_layer_weights, gguf_names
 
         gguf_path = read_metadata(checkpoint_path).get("source", "")
         if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
             raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
         self.tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-        if not any(q4_block_bytes(t) for t in self.tensors.values()):
-            raise UserError(f"{gguf_path} holds no Q4_0 or Q4_1 weights for int4-gguf to copy: quantize with --mode int4")
+        self.copied = {name for name, t in self.tensors.items() if t.tensor_type.name in GGUF_LOSSLESS_INT4}
+        if not self.copied:
+            raise UserError(f"{gguf_path} holds no Q4_0, Q4_1 or Q4_K weights for int4-gguf to copy: quantize with "
+                            f"--mode int4")
         self.parts = gguf_names(config)
+        eight = gguf_int8_types(gguf_layer_weights(self.tensors))
+        with torch.device("meta"):
+            linears = set(linear_names(Transformer(config))) - {"output"}
+        self.int8_layers = frozenset(
+            base for name, parts in self.parts.items() if (base := name.removesuffix(".weight")) in linears
+            and any(self.tensors[part].tensor_type.name in eight for part, _ in parts))
         return gguf_path
 
     def group(self, name: str, read, shape: tuple) -> Group:
         parts = self.parts[name]
-        if not all(q4_block_bytes(self.tensors[part]) for part, _ in parts):
+        if not any(part in self.copied for part, _ in parts):
             return super().group(name, read, shape)
 
-        def make():  # each part's tensors, concatenated along rows
-            return [torch.cat(p) for p in zip(*(q4_levels(self.tensors[part], heads) for part, heads in parts))]
+        def make():  # each part's tensors, concatenated along rows: copied, or rounded from the weight's rows
+            made, w, row = [], read() if not all(part in self.copied for part, _ in parts) else None, 0
+            for part, heads in parts:
+                rows = self.tensors[part].data.shape[0]
+                if part in self.copied:
+                    made.append(q4_levels(self.tensors[part], heads))
+                else:
+                    levels, scales, mins = rtn_int4(w[row:row + rows].float(), self.groupsize)
+                    made.append([levels, scales.half(), mins.half()])
+                row += rows
+            return [torch.cat(p) for p in zip(*made)]
 
         return self.specs(name, shape, torch.float16), make
 
@@ -552,7 +584,7 @@ HEAD = Int8()
 
 def layer_scheme(name: str, scheme: Scheme) -> Scheme:
     """The scheme of the linear layer `name` in a model quantized with `scheme`."""
-    return HEAD if name == "output" else scheme
+    return HEAD if name == "output" or name in scheme.int8_layers else scheme
 
 
 def read_scheme(metadata: dict[str, str]) -> Scheme | None:
@@ -838,28 +870,33 @@ def python_docs_text(part: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# A GGUF file's Q4_0 and Q4_1 weights, imported without loss (Int4GGUF)
-
-
-def q4_block_bytes(tensor) -> int | None:
-    """The bytes of one block of 32 of a GGUF tensor of Q4_0 (fp16 scale, 16 bytes of levels) or Q4_1
-    (and an fp16 min); None for another type."""
-    import gguf
-
-    return {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}.get(tensor.tensor_type)
+# A GGUF file's Q4_0, Q4_1 and Q4_K weights, imported without loss (Int4GGUF)
 
 
 def q4_levels(tensor, heads: int | None) -> list[Tensor]:
-    """A GGUF file's Q4_0 or Q4_1 tensor as int4's packed levels and fp16 scales and mins, its rows in
-    our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not)."""
+    """A GGUF file's Q4_0, Q4_1 or Q4_K tensor as int4's packed levels and fp16 scales and mins, its rows
+    in our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not).
+    Q4_0: blocks of 32, fp16 d, w = d (q - 8) (a min of -8d); Q4_1: w = d q + m, fp16 m too; Q4_K: blocks of
+    256 with fp16 d and dmin, and for each group of 32 a 6-bit sc and mn, w = d sc q - dmin mn."""
     from .convert import unpermute_rows
 
-    size = q4_block_bytes(tensor)
-    blocks = torch.from_numpy(tensor.data.copy()).view(tensor.data.shape[0], -1, size)  # (rows, k/32, size)
-    qs = blocks[..., size - 16:]
-    levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
-    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]  # (rows, k/32)
-    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if size == 20 else d * -8  # exact: a power of 2
+    kind, raw = tensor.tensor_type.name, torch.from_numpy(tensor.data.copy())
+    if kind == "Q4_K":
+        blocks = raw.view(raw.shape[0], -1, 144)  # (rows, k/256, d dmin sc-and-mn qs)
+        d, dmin = (blocks[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        s = blocks[..., 4:16].int()  # groups 0-3: sc, mn in 6 bits; 4-7: 4 bits in bytes 8-11, 2 atop bytes 0-7
+        sc = torch.cat([s[..., :4] & 63, s[..., 8:] & 15 | s[..., :4] >> 6 << 4], dim=-1)
+        mn = torch.cat([s[..., 4:8] & 63, s[..., 8:] >> 4 | s[..., 4:8] >> 6 << 4], dim=-1)
+        qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)  # 32 bytes: a group's levels low, the next's high
+        levels = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(blocks.shape[0], -1)
+        d, m = (d * sc).flatten(1).half(), (-dmin * mn).flatten(1).half()  # exact in fp32, then to fp16
+    else:
+        size = {"Q4_0": 18, "Q4_1": 20}[kind]
+        blocks = raw.view(raw.shape[0], -1, size)  # (rows, k/32, d [m] qs)
+        qs = blocks[..., size - 16:]
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]  # (rows, k/32)
+        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if size == 20 else d * -8  # exact: a power of 2
     parts = [pack_int4(levels), d, m]
     return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 
@@ -881,7 +918,7 @@ def cli():
                                 allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--mode", required=True,
-                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_0/Q4_1 weights losslessly)")
+                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_0/Q4_1/Q4_K weights losslessly)")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {GROUPSIZES}")
     p.add_argument("--calibration_file", type=Path, default=None,
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")

@@ -11,7 +11,8 @@ tokenizer.json (and its tokenizer_config.json's bos and eos), as llama.cpp write
 rope_freqs tensor llama.cpp's converter writes for it. The layers' matrices
 are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
 (it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
-with a standard deviation of dim^-0.5, so that the activations stay of the size real models have.
+with a standard deviation of dim^-0.5, so that the activations stay of the size real models have;
+Q4_K's are written here as random blocks of about that deviation (random_q4_k).
 """
 
 import argparse
@@ -27,13 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 from fastllama.errors import UserError, run_cli  # noqa: E402
 from shapes import shape  # noqa: E402
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+K_BLOCK = 256  # the inputs of a K-quant's block: a matrix whose rows are not a multiple of it takes FALLBACK
+FALLBACK = "Q5_0"  # as llama-quantize's Q4_K does
 
 
 def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = "Q8_0",
               n_layer: int | None = None, seed: int = 0, sentencepiece: Path | None = None,
-              hf_tokenizer: Path | None = None, pre: str = "llama-bpe", rope_scaling: dict | None = None) -> Path:
-    """rope_scaling: another Llama 3.1 RoPE scaling than the shape's (tests)."""
+              hf_tokenizer: Path | None = None, pre: str = "llama-bpe", rope_scaling: dict | None = None,
+              tensor_types: dict[str, str] | None = None) -> Path:
+    """rope_scaling: another Llama 3.1 RoPE scaling than the shape's; tensor_types: some matrices' types by their
+    name, as llama-quantize's K-quant mixes keep some in more bits (tests)."""
     import gguf
     import torch
 
@@ -76,8 +81,14 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
     rng = np.random.default_rng(seed)
 
     def add(name: str, rows: int, cols: int, kind: str):
-        w = (rng.standard_normal((rows, cols), dtype=np.float32) * args.dim ** -0.5)
+        kind = (tensor_types or {}).get(name, kind)
+        if kind == "Q4_K" and cols % K_BLOCK:
+            kind = FALLBACK
         qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "Q4_K":
+            writer.add_tensor(name, random_q4_k(rng, rows, cols, args.dim ** -0.5), raw_dtype=qtype)
+            return
+        w = (rng.standard_normal((rows, cols), dtype=np.float32) * args.dim ** -0.5)
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
     q, kv = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
@@ -103,6 +114,24 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
     writer.close()
     partial.replace(output)
     return output
+
+
+def random_q4_k(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    """Random weights in Q4_K's blocks (the gguf package does not write K-quants), as bytes (rows, cols / 256
+    * 144): for each 256 inputs fp16 d and dmin, 8 groups' 6-bit scales sc and mins mn packed in 12 bytes, and
+    128 bytes of levels q (w = d sc q - dmin mn). The levels are uniform over 0..15 and each group's sc over
+    16..63 (so that all 6 bits are used), mn centring its weights near 0; their standard deviation about std."""
+    n = rows * cols // K_BLOCK
+    sc = rng.integers(16, 64, (n, 8))
+    d = np.full((n, 1), std / (40 * 4.6), np.float16)  # a level's deviation is 4.6, sc's mean about 40
+    dmin = (d * 8).astype(np.float16)
+    mn = np.rint(sc * 7.5 / 8).astype(np.int64)  # at most 59: dmin mn near d sc 7.5, the levels' mean
+    scales = np.empty((n, 12), np.uint8)  # groups 0-3 in 6 bits; 4-7's low 4 bits in bytes 8-11, high 2 atop 0-7
+    scales[:, 0:4] = sc[:, :4] | sc[:, 4:] >> 4 << 6
+    scales[:, 4:8] = mn[:, :4] | mn[:, 4:] >> 4 << 6
+    scales[:, 8:12] = sc[:, 4:] & 15 | (mn[:, 4:] & 15) << 4
+    levels = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, levels], axis=1).reshape(rows, -1)
 
 
 def sentencepiece_fields(path: Path) -> dict:
@@ -211,7 +240,8 @@ if __name__ == "__main__":
                                 allow_abbrev=False)
     p.add_argument("--model", default="SmolLM2-1.7B", help="a known shape (scripts/shapes.py): a SmolLM2 one with the "
                    "bundled vocabulary, a plain Llama one with --sentencepiece or --hf_tokenizer")
-    p.add_argument("--type", choices=TYPES, default="Q4_1", help="of the layers' matrices")
+    p.add_argument("--type", choices=TYPES, default="Q4_1",
+                   help=f"of the layers' matrices (Q4_K: those whose rows are a multiple of {K_BLOCK}, {FALLBACK} the others)")
     p.add_argument("--embedding_type", choices=TYPES, default="Q8_0", help="of the embedding table")
     p.add_argument("--n_layer", type=int, default=None, help="fewer layers than the shape has (tests)")
     p.add_argument("--seed", type=int, default=0)

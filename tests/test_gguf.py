@@ -1,4 +1,4 @@
-"""Any llama-architecture GGUF file as a checkpoint: Q4_0 and Q4_1 copied as int4 without loss, Q8_0
+"""Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1 and Q4_K copied as int4 without loss, Q8_0
 as int8, other types dequantized and quantized again with a notice, floats kept unquantized; what the
 import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
 layers, with the bundled model's tokenizer (scripts/make_gguf.py)."""
@@ -31,8 +31,14 @@ LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w
 def files(bundled_checkpoint, tmp_path_factory):
     """A small GGUF file of each type, made once: {type: path}."""
     folder = tmp_path_factory.mktemp("gguf")
-    return {kind: make_gguf(folder / f"tiny-{kind}.gguf", "SmolLM2-135M", kind, n_layer=2)
-            for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16")}
+    files = {kind: make_gguf(folder / f"tiny-{kind}.gguf", "SmolLM2-135M", kind, n_layer=2)
+             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16")}
+    # as llama-quantize's K-quant mixes: Q4_K where a matrix's rows allow (ffn_down's 1536 inputs; Q5_0 where
+    # not), some matrices in more bits (Q8_0, in layer 1), and layer 0's wqkv joining Q4_1 q and k to a Q5_0 v
+    files["Q4_K"] = make_gguf(folder / "tiny-Q4_K.gguf", "SmolLM2-135M", "Q4_K", n_layer=2, tensor_types={
+        "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0",
+        "blk.1.ffn_down.weight": "Q8_0"})
+    return files
 
 
 def source_weights(path: Path, config) -> dict[str, torch.Tensor]:
@@ -66,6 +72,49 @@ def test_q4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
         mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
         assert torch.equal(mine, w), name
     assert "dequantized" not in said  # the embedding table (Q8_0) is not one of the linears: no notice
+
+
+@torch.no_grad()
+def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(files, tmp_path, capfd):
+    """Q4_K's and Q4_1's weights are copied (Q4_K's scales d sc and mins dmin mn to fp16's precision); a linear
+    of ours held in part in more bits than most of the file's is int8, the others int4, copying what is Q4 in
+    them; the notice says which types were rounded to what. The mixed model loads and computes as its weights
+    say."""
+    ours, metadata, source, said = converted(files["Q4_K"], tmp_path / "out", capfd)
+    scheme = quantize.read_scheme(metadata)
+    assert type(scheme) is quantize.Int4GGUF
+    assert scheme.int8_layers == {"layers.1.attention.wqkv", "layers.1.feed_forward.w2"}
+    assert said.count("dequantized") == 2 and "its Q5_0 weights are dequantized and quantized again as int4" in said
+    assert "its Q8_0 weights are dequantized and quantized again as int8 (per output channel)" in said, said
+
+    def mine(name: str) -> torch.Tensor:
+        if name in scheme.int8_layers:
+            return ours[f"{name}.weight"].float() * ours[f"{name}.scales"].float()[:, None]
+        return quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
+
+    w = source["layers.0.feed_forward.w2"]  # Q4_K
+    assert 0 < (mine("layers.0.feed_forward.w2") - w).abs().max() <= 2 ** -10 * w.abs().max()
+    w, qk = source["layers.0.attention.wqkv"], 576 + 192  # Q4_1 q and k copied, then a Q5_0 v rounded to int4
+    assert torch.equal(mine("layers.0.attention.wqkv")[:qk], w[:qk])
+    assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).abs().max() <= 0.1 * w[qk:].abs().max()
+    for name in scheme.int8_layers:  # all Q8_0, or Q5_0 q and k beside a Q8_0 v
+        assert (mine(name) - source[name]).abs().max() <= 0.01 * source[name].abs().max()
+    w = source["layers.0.feed_forward.w13"]  # Q5_0, int4
+    assert (mine("layers.0.feed_forward.w13") - w).abs().max() <= 0.1 * w.abs().max()
+
+    # the mixed model against one in fp32 of the same weights, as dequantized above: near, where a layer
+    # loaded as the other kind, or with another's weights, would be far
+    model = gen.load_model(tmp_path / "out" / CHECKPOINT_NAME, "cpu", "fp32")
+    assert [type(layer.attention.wqkv).__name__ for layer in model.layers] == ["Int4Linear", "Int8Linear"]
+    reference = gen.load_model(convert.import_gguf(files["Q4_K"], tmp_path / "exact"), "cpu", "fp32")
+    for name in source:
+        reference.get_submodule(name).weight.copy_(mine(name))
+    tokens = torch.randint(3, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, reference):
+        m.setup_caches(1, 32)
+        logits.append(m(tokens, torch.arange(24))[0])
+    assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.05
 
 
 @pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.01), ("Q5_0", "int4", 0.1), ("F16", None, 0.005)])
@@ -256,9 +305,9 @@ def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architec
 
 
 def test_int4_gguf_refuses_a_file_without_q4_weights(files, tmp_path):
-    """quantize.py --mode int4-gguf copies Q4_0 and Q4_1 weights: on a file of none it says what to use instead."""
+    """quantize.py --mode int4-gguf copies Q4 weights: on a file of none it says what to use instead."""
     imported = convert.import_gguf(files["Q8_0"], tmp_path / "imported")
-    with pytest.raises(UserError, match="holds no Q4_0 or Q4_1 weights for int4-gguf to copy: quantize with --mode int4"):
+    with pytest.raises(UserError, match="holds no Q4_0, Q4_1 or Q4_K weights for int4-gguf to copy: quantize with --mode int4"):
         quantize.quantize(imported, "int4-gguf", output=tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
 
