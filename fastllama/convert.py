@@ -361,6 +361,8 @@ GGUF_PRE_TOKENIZERS = {"gpt-2": {}, "smollm": {"digits": True},
 # the converted GGUF files, each in a folder of its name, beside the bundled model's conversion
 GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
 GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
+# the import's version, in the stamp: a folder an earlier import converted is converted again (2: K-quants copied)
+GGUF_IMPORT = 2
 
 
 def bundled_gguf() -> Path:

@@ -59,14 +59,16 @@ def find_checkpoint(checkpoint_path: Path | str | None) -> Path:
 
 def gguf_checkpoint(gguf_path: Path) -> Path:
     """The checkpoint a GGUF file is converted into (convert_gguf), in convert.GGUF_CHECKPOINTS: converted
-    on its first use, and again when the file has changed since (by its size and modification time)."""
+    on its first use, and again when the file has changed since (by its size and modification time) or an
+    earlier version of the import converted it."""
     from . import convert
 
     if not gguf_path.is_file():
         raise UserError(f"no GGUF file at {gguf_path}")
     gguf_path = gguf_path.resolve()
     out_dir = convert.GGUF_CHECKPOINTS / gguf_path.stem
-    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "mtime_ns": gguf_path.stat().st_mtime_ns}
+    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "mtime_ns": gguf_path.stat().st_mtime_ns,
+             "import": convert.GGUF_IMPORT}
     if (out_dir / convert.GGUF_STAMP).is_file() and read_json(out_dir / convert.GGUF_STAMP) == stamp:
         return out_dir / CHECKPOINT_NAME
     print(f"converting {gguf_path.name} into {out_dir} (once)", file=sys.stderr)

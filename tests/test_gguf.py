@@ -134,7 +134,7 @@ def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tm
         assert (mine - w).abs().max() <= tolerance * w.abs().max(), name
 
 
-def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_changes(files, tmp_path, monkeypatch):
+def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_or_the_import_changes(files, tmp_path, monkeypatch):
     monkeypatch.setattr(convert, "GGUF_CHECKPOINTS", tmp_path / "gguf")
     conversions = []
     real = gen.convert_gguf
@@ -145,6 +145,9 @@ def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_changes(f
     assert gen.find_checkpoint(path) == first and len(conversions) == 1
     os.utime(path, ns=(0, 0))
     assert gen.find_checkpoint(path) == first and len(conversions) == 2
+    stamp = tmp_path / "gguf" / "model" / convert.GGUF_STAMP  # as an earlier version of the import wrote it
+    stamp.write_text(json.dumps({k: v for k, v in json.loads(stamp.read_text()).items() if k != "import"}))
+    assert gen.find_checkpoint(path) == first and len(conversions) == 3
 
 
 def test_generate_runs_on_a_gguf_file(files, tmp_path):
