@@ -562,13 +562,14 @@ class Int4GGUF(Int4):
             return super().group(name, read, shape)
 
         def make():  # each part's tensors, concatenated along rows: copied, or rounded from the weight's rows
-            made, w, row = [], read() if not all(part in self.copied for part, _ in parts) else None, 0
+            w = None if all(part in self.copied for part, _ in parts) else read().float()
+            made, row = [], 0
             for part, heads in parts:
                 rows = self.tensors[part].data.shape[0]
                 if part in self.copied:
                     made.append(q4_levels(self.tensors[part], heads))
                 else:
-                    levels, scales, mins = rtn_int4(w[row:row + rows].float(), self.groupsize)
+                    levels, scales, mins = rtn_int4(w[row:row + rows], self.groupsize)
                     made.append([levels, scales.half(), mins.half()])
                 row += rows
             return [torch.cat(p) for p in zip(*made)]

@@ -51,9 +51,9 @@ def depths_main(args):
                         f"ask for shallower --depths or fewer --max_new_tokens")
     steps = gen.compiled_steps(dynamic_prefill=True)
     scheme = None if args.model else quantize.read_scheme(read_metadata(gen.find_checkpoint(args.checkpoint_path)))
-    name = args.precision if scheme is None else f"{scheme.method}, {args.precision}"  # a quantized checkpoint's
-    if scheme and scheme.int8_layers:  # a K-quant GGUF's linears kept in int8 (quantize.Int4GGUF)
-        name = f"{scheme.method} + {len(scheme.int8_layers)} int8, {args.precision}"
+    # a quantized checkpoint's method, and a K-quant GGUF's count of linears kept in int8 (quantize.Int4GGUF)
+    method = scheme and scheme.method + (f" + {len(scheme.int8_layers)} int8" if scheme.int8_layers else "")
+    name = f"{method}, {args.precision}" if scheme else args.precision
     models = [(name, model)] if not args.quantized else [(q, make()) for q, make in quantized_models(args, model).items()]
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)
     shallow = next((d for d in depths if d > 0), 0)
