@@ -342,12 +342,11 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # GGUF files: the bundled model, and any llama-architecture file a user has
 
-# what a GGUF file's linears become, by the type that holds most of their weights (gguf_mode): Q4_0,
-# Q4_1 and Q4_K are int4's own layout (at groupsize 32) and copied as they are (quantize.q4_levels);
-# other types are dequantized, then quantized to the mode of the nearest size (with a notice), and a
-# float file stays unquantized
+# what a GGUF file's linears become (gguf_mode): Q4_0, Q4_1 and Q4_K are int4's own layout (at groupsize
+# 32) and copied as they are (quantize.q4_levels); other types are dequantized, then quantized again (with a
+# notice): to int8 where they hold more bits a weight than int4 (gguf_int8_types), else to int4; and a float
+# file stays unquantized
 GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1", "Q4_K")
-GGUF_INT8 = ("Q8_0", "Q8_1", "Q8_K", "Q6_K")
 GGUF_FLOATS = ("F32", "F16", "BF16")
 # Llama 3's split of a text into words before its byte-level BPE (the Split pre-tokenizer of its tokenizer.json)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -361,8 +360,9 @@ GGUF_PRE_TOKENIZERS = {"gpt-2": {}, "smollm": {"digits": True},
 # the converted GGUF files, each in a folder of its name, beside the bundled model's conversion
 GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
 GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
-# the import's version, in the stamp: a folder an earlier import converted is converted again (2: K-quants copied)
-GGUF_IMPORT = 2
+# the import's version, in the stamp: a folder an earlier import converted is converted again (2: K-quants
+# copied; 3: every type of more bits than int4 kept in int8)
+GGUF_IMPORT = 3
 
 
 def bundled_gguf() -> Path:
@@ -390,48 +390,53 @@ def gguf_layer_weights(tensors: dict) -> dict[str, int]:
     return dict(sorted(weights.items(), key=lambda kind: -kind[1]))
 
 
-def gguf_int8_types(weights: dict[str, int]) -> set[str]:
-    """The types that an int4-gguf import keeps in int8 (quantize.Int4GGUF's int8_layers): those of more bits a
-    weight than the file's main type, other than Q4 ones, which int4 copies. llama.cpp's mixes keep their most
-    sensitive matrices so (in some layers, a Q4_K_M file's attn_v and ffn_down in Q6_K, a Q4_K_S file's attn_v
-    in Q5_K), and rounding them to int4 would take them several times as far from the file."""
+def gguf_bits(kind: str) -> float:
+    """A GGUF tensor type's bits a weight, its scales included."""
     import gguf
 
-    def bits(kind: str) -> float:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-        return size * 8 / block
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    return size * 8 / block
 
-    main = next(iter(weights))
-    return {kind for kind in weights if kind not in GGUF_LOSSLESS_INT4 and bits(kind) > bits(main)}
+
+def gguf_int8_types(weights: dict[str, int]) -> set[str]:
+    """The types whose weights an import keeps in int8 (rounded per output channel): those of more bits a
+    weight than int4 holds (its levels and each group of 32's scale and min: Q4_1's size), Q5_0, Q5_K, Q6_K,
+    Q8_0 and the like. Rounded to int4 they would be several times as far from the file as int8 takes them,
+    and a Q5_K_M file would compute further from llama.cpp's than a Q4_K_M file of the same model
+    (benchmarks/RESULTS.md, "A Q5 file's weights in int8"). llama.cpp's mixes keep their most sensitive
+    matrices in such types (a Q4_K_M file's attn_v and ffn_down in Q6_K in some layers)."""
+    return {kind for kind in weights if gguf_bits(kind) > gguf_bits("Q4_1")}
 
 
 def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
-    """The quantize.py mode a GGUF file's linears take (None: unquantized), by the type that holds most
-    of the layers' weights; and a notice naming the types it does not copy as they are (None if none)."""
+    """The quantize.py mode a GGUF file's linears take (None: unquantized, where most of the layers' weights
+    are floats; int8 where every type holds more bits than int4; else int4-gguf, with a linear held in part
+    in such a type int8); and a notice naming the types it does not copy as they are (None if none)."""
     weights = gguf_layer_weights(tensors)
     if not weights:
         raise UserError(f"{gguf_path} holds no layers' weights (no blk.N tensors): not a model this import takes")
-    main = next(iter(weights))
-    # int4 copies what is int4 already: a small model's Q4_K_M file holds its rows of inputs not a multiple of
-    # K-quants' 256 in Q5_0, most of its weights, beside Q4_K
-    if main not in GGUF_INT8 + GGUF_FLOATS and any(t in GGUF_LOSSLESS_INT4 for t in weights):
-        mode, kept = "int4-gguf", GGUF_LOSSLESS_INT4
-    elif main in GGUF_FLOATS:
-        mode, kept = None, ()
+    eight = gguf_int8_types(weights)
+    if next(iter(weights)) in GGUF_FLOATS:
+        mode = None
     else:
-        mode, kept = ("int8" if main in GGUF_INT8 else "int4"), ()
-    changed = sorted(t for t in weights if t not in kept)
-    if not changed:
+        mode = "int8" if eight.issuperset(weights) else "int4-gguf"
+
+    def into(kind: str) -> str | None:  # what the import does with a type's weights (None: copies them)
+        if mode is None:
+            return "kept unquantized in bf16"
+        if kind in eight:
+            joined = ", with any others a linear of ours joins to them" if mode == "int4-gguf" else ""
+            return f"quantized again as int8 (per output channel){joined}"
+        return None if kind in GGUF_LOSSLESS_INT4 else "quantized again as int4 (groups of 32)"
+
+    kinds = {}
+    for kind in sorted(weights):
+        if (said := into(kind)) is not None:
+            kinds.setdefault(said, []).append(kind)
+    if not kinds:
         return mode, None
-    into = {None: "kept unquantized in bf16", "int8": "quantized again as int8 (per output channel)"}.get(
-        mode, "quantized again as int4 (groups of 32)")
-    eight = sorted(gguf_int8_types(weights)) if mode == "int4-gguf" else []
-    four = [t for t in changed if t not in eight]
-    said = [f"its {', '.join(four)} weights are dequantized and {into}"] if four else []
-    if eight:
-        said.append(f"its {', '.join(eight)} weights are dequantized and quantized again as int8 (per output "
-                    f"channel), with any others a linear of ours joins to them")
-    return mode, f"{gguf_path.name}: {'; '.join(said)}"
+    return mode, f"{gguf_path.name}: " + "; ".join(
+        f"its {', '.join(group)} weights are dequantized and {said}" for said, group in kinds.items())
 
 
 def gguf_fields(reader) -> dict:

@@ -504,13 +504,13 @@ class Int4GGUF(Int4):
     dequantized Q4_K weight to nearest again would move it off the file's grid): the file's levels as they
     are, and its scales and mins in fp16 (Q4_0's and Q4_1's exactly, Q4_K's d sc and dmin mn to fp16's
     precision; at run time the int4 kernels take scales and zeros in bf16, to which these round: about 2^-9
-    of each, relative). A linear of ours that the GGUF holds in part in more bits than most
-    (convert.gguf_int8_types: the Q6_K of some layers' attn_v and ffn_down in a Q4_K_M file, beside Q4_K q
-    and k in our wqkv) is int8 (int8_layers), rounded per output channel from the import's dequantized
-    weight: int4 would take those parts several times as far from the file, and its logits from llama.cpp's
-    (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The others are int4:
-    rounded to it from the dequantized weight, but for their Q4 parts, copied. Its method keeps the name it
-    was first written with, for the bundled model's Q4_1."""
+    of each, relative). A linear of ours that the GGUF holds in part in more bits a weight than int4 holds
+    (convert.gguf_int8_types: Q5_0, Q5_K, Q6_K, Q8_0, ...; in a Q4_K_M file, the Q6_K of some layers' attn_v
+    and ffn_down, beside Q4_K q and k in our wqkv) is int8 (int8_layers), rounded per output channel from the
+    import's dequantized weight: int4 would take those parts several times as far from the file, and its
+    logits from llama.cpp's (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The
+    others are int4: rounded to it from the dequantized weight (Q3_K, IQ4_NL, ...), but for their Q4 parts,
+    copied. Its method keeps the name it was first written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
@@ -544,9 +544,6 @@ class Int4GGUF(Int4):
             raise UserError(f"{checkpoint_path} was not imported from a GGUF file that is still there")
         self.tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
         self.copied = {name for name, t in self.tensors.items() if t.tensor_type.name in GGUF_LOSSLESS_INT4}
-        if not self.copied:
-            raise UserError(f"{gguf_path} holds no Q4_0, Q4_1 or Q4_K weights for int4-gguf to copy: quantize with "
-                            f"--mode int4")
         self.parts = gguf_names(config)
         eight = gguf_int8_types(gguf_layer_weights(self.tensors))
         with torch.device("meta"):

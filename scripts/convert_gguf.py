@@ -3,10 +3,10 @@ eval.py do the same on first use of `--checkpoint_path FILE.gguf`).
 
     python scripts/convert_gguf.py --gguf model.Q4_0.gguf [--output_dir DIR]
 
-Q4_0, Q4_1 and Q4_K weights are copied as int4 without loss; Q8_0 and Q6_K become int8, other quantized
-types int4, both dequantized and quantized again (a notice says so; among mostly Q4 weights, a linear held
-in part in more bits than most becomes int8); F32, F16 and BF16 stay unquantized, in bf16. The GGUF file
-is only read.
+Q4_0, Q4_1 and Q4_K weights are copied as int4 without loss; a linear held in any part in more bits a
+weight than int4 (Q5_0, Q5_K, Q6_K, Q8_0, ...) becomes int8, one in fewer (Q3_K, Q2_K, ...) int4, both
+dequantized and quantized again (a notice says so); a file of F32, F16 or BF16 stays unquantized, in bf16.
+The GGUF file is only read.
 """
 
 import argparse

@@ -12,7 +12,7 @@ rope_freqs tensor llama.cpp's converter writes for it. The layers' matrices
 are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
 (it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
 with a standard deviation of dim^-0.5, so that the activations stay of the size real models have;
-Q4_K's are written here as random blocks of about that deviation (random_q4_k).
+Q4_K's and IQ4_NL's are written here as random blocks of about that deviation (RANDOM_BLOCKS).
 """
 
 import argparse
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 from fastllama.errors import UserError, run_cli  # noqa: E402
 from shapes import shape  # noqa: E402
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "IQ4_NL")
 K_BLOCK = 256  # the inputs of a K-quant's block: a matrix whose rows are not a multiple of it takes FALLBACK
 FALLBACK = "Q5_0"  # as llama-quantize's Q4_K does
 
@@ -85,8 +85,8 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
         if kind == "Q4_K" and cols % K_BLOCK:
             kind = FALLBACK
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "Q4_K":
-            writer.add_tensor(name, random_q4_k(rng, rows, cols, args.dim ** -0.5), raw_dtype=qtype)
+        if kind in RANDOM_BLOCKS:
+            writer.add_tensor(name, RANDOM_BLOCKS[kind](rng, rows, cols, args.dim ** -0.5), raw_dtype=qtype)
             return
         w = (rng.standard_normal((rows, cols), dtype=np.float32) * args.dim ** -0.5)
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -132,6 +132,21 @@ def random_q4_k(rng, rows: int, cols: int, std: float) -> np.ndarray:
     scales[:, 8:12] = sc[:, 4:] & 15 | (mn[:, 4:] & 15) << 4
     levels = rng.integers(0, 256, (n, 128), dtype=np.uint8)
     return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, levels], axis=1).reshape(rows, -1)
+
+
+def random_iq4_nl(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    """Random weights in IQ4_NL's blocks (which the gguf package reads but does not write), as bytes (rows,
+    cols / 32 * 18): for each 32 inputs an fp16 d and 16 bytes of 4-bit indices into a fixed table of 16
+    levels (w = d level), uniform over it; their standard deviation about std."""
+    import gguf
+
+    n = rows * cols // 32
+    levels = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    d = np.full((n, 1), std / np.sqrt(np.mean(levels ** 2)), np.float16)
+    return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (n, 16), dtype=np.uint8)], axis=1).reshape(rows, -1)
+
+
+RANDOM_BLOCKS = {"Q4_K": random_q4_k, "IQ4_NL": random_iq4_nl}  # the types written as random blocks
 
 
 def sentencepiece_fields(path: Path) -> dict:

@@ -1,6 +1,6 @@
-"""Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1 and Q4_K copied as int4 without loss, Q8_0
-as int8, other types dequantized and quantized again with a notice, floats kept unquantized; what the
-import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
+"""Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1 and Q4_K copied as int4 without loss, other
+types dequantized and quantized again with a notice (int8 where they hold more bits than int4, as Q5_0 and
+Q8_0 do), floats kept unquantized; what the import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
 layers, with the bundled model's tokenizer (scripts/make_gguf.py)."""
 
 import dataclasses
@@ -32,12 +32,13 @@ def files(bundled_checkpoint, tmp_path_factory):
     """A small GGUF file of each type, made once: {type: path}."""
     folder = tmp_path_factory.mktemp("gguf")
     files = {kind: make_gguf(folder / f"tiny-{kind}.gguf", "SmolLM2-135M", kind, n_layer=2)
-             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16")}
+             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "F16")}
     # as llama-quantize's K-quant mixes: Q4_K where a matrix's rows allow (ffn_down's 1536 inputs; Q5_0 where
-    # not), some matrices in more bits (Q8_0, in layer 1), and layer 0's wqkv joining Q4_1 q and k to a Q5_0 v
+    # not), some matrices in more bits (Q8_0, in layer 1), and layer 0's wqkv joining Q4_1 q and k to an
+    # IQ4_NL v (fewer bits than int4: rounded to it)
     files["Q4_K"] = make_gguf(folder / "tiny-Q4_K.gguf", "SmolLM2-135M", "Q4_K", n_layer=2, tensor_types={
-        "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1", "blk.1.attn_v.weight": "Q8_0",
-        "blk.1.ffn_down.weight": "Q8_0"})
+        "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1", "blk.0.attn_v.weight": "IQ4_NL",
+        "blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
     return files
 
 
@@ -77,15 +78,17 @@ def test_q4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
 @torch.no_grad()
 def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(files, tmp_path, capfd):
     """Q4_K's and Q4_1's weights are copied (Q4_K's scales d sc and mins dmin mn to fp16's precision); a linear
-    of ours held in part in more bits than most of the file's is int8, the others int4, copying what is Q4 in
-    them; the notice says which types were rounded to what. The mixed model loads and computes as its weights
+    of ours held in part in more bits a weight than int4 holds (Q5_0, Q8_0) is int8, the others int4, copying
+    what is Q4 in them and rounding the rest; the notice says which types were rounded to what. The mixed model loads and computes as its weights
     say."""
     ours, metadata, source, said = converted(files["Q4_K"], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
     assert type(scheme) is quantize.Int4GGUF
-    assert scheme.int8_layers == {"layers.1.attention.wqkv", "layers.1.feed_forward.w2"}
-    assert said.count("dequantized") == 2 and "its Q5_0 weights are dequantized and quantized again as int4" in said
-    assert "its Q8_0 weights are dequantized and quantized again as int8 (per output channel)" in said, said
+    assert scheme.int8_layers == {f"layers.{i}.{name}" for i, name in [
+        (0, "attention.wo"), (0, "feed_forward.w13"), (1, "attention.wqkv"), (1, "attention.wo"),
+        (1, "feed_forward.w13"), (1, "feed_forward.w2")]}
+    assert said.count("dequantized") == 2 and "its IQ4_NL weights are dequantized and quantized again as int4" in said
+    assert "its Q5_0, Q8_0 weights are dequantized and quantized again as int8 (per output channel)" in said, said
 
     def mine(name: str) -> torch.Tensor:
         if name in scheme.int8_layers:
@@ -94,13 +97,11 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
 
     w = source["layers.0.feed_forward.w2"]  # Q4_K
     assert 0 < (mine("layers.0.feed_forward.w2") - w).abs().max() <= 2 ** -10 * w.abs().max()
-    w, qk = source["layers.0.attention.wqkv"], 576 + 192  # Q4_1 q and k copied, then a Q5_0 v rounded to int4
+    w, qk = source["layers.0.attention.wqkv"], 576 + 192  # Q4_1 q and k copied, then an IQ4_NL v rounded to int4
     assert torch.equal(mine("layers.0.attention.wqkv")[:qk], w[:qk])
     assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).abs().max() <= 0.1 * w[qk:].abs().max()
-    for name in scheme.int8_layers:  # all Q8_0, or Q5_0 q and k beside a Q8_0 v
+    for name in scheme.int8_layers:  # Q5_0 or Q8_0, or both
         assert (mine(name) - source[name]).abs().max() <= 0.01 * source[name].abs().max()
-    w = source["layers.0.feed_forward.w13"]  # Q5_0, int4
-    assert (mine("layers.0.feed_forward.w13") - w).abs().max() <= 0.1 * w.abs().max()
 
     # the mixed model against one in fp32 of the same weights, as dequantized above: near, where a layer
     # loaded as the other kind, or with another's weights, would be far
@@ -117,7 +118,8 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.01), ("Q5_0", "int4", 0.1), ("F16", None, 0.005)])
+@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.01), ("Q5_0", "int8", 0.01), ("IQ4_NL", "int4", 0.1),
+                                                   ("F16", None, 0.005)])
 def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tmp_path, capfd, kind, mode, tolerance):
     ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
@@ -307,10 +309,12 @@ def test_what_the_import_does_not_take_is_refused_in_one_line(tmp_path, architec
     assert not (tmp_path / "out").exists()
 
 
-def test_int4_gguf_refuses_a_file_without_q4_weights(files, tmp_path):
-    """quantize.py --mode int4-gguf copies Q4 weights: on a file of none it says what to use instead."""
-    imported = convert.import_gguf(files["Q8_0"], tmp_path / "imported")
-    with pytest.raises(UserError, match="holds no Q4_0, Q4_1 or Q4_K weights for int4-gguf to copy: quantize with --mode int4"):
+def test_int4_gguf_refuses_an_import_whose_file_is_gone(files, tmp_path):
+    """quantize.py --mode int4-gguf copies from the GGUF file itself: where it has moved, it says so."""
+    path = shutil.copy(files["Q4_1"], tmp_path / "model.gguf")
+    imported = convert.import_gguf(path, tmp_path / "imported")
+    path.unlink()
+    with pytest.raises(UserError, match="was not imported from a GGUF file that is still there"):
         quantize.quantize(imported, "int4-gguf", output=tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
 
