@@ -361,7 +361,7 @@ GGUF_PRE_TOKENIZERS = {"gpt-2": {}, "smollm": {"digits": True},
 GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
 GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
 # the import's version, in the stamp: a folder an earlier import converted is converted again (2: K-quants
-# copied; 3: every type of more bits than int4 kept in int8)
+# copied; 3: every type of more bits than int4 kept in int8, those of fewer fitted as int4)
 GGUF_IMPORT = 3
 
 

@@ -99,12 +99,33 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
     return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
-def rtn_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
-    """w (n, k) -> packed levels (n, k/2), bf16 scales and mins (n, k/groupsize), rounded to nearest."""
-    scales, mins = int4_group_params(w, groupsize)
-    # round the parameters to their stored dtype first, so the levels fit what dequantization sees
-    scales, mins = scales.bfloat16(), mins.bfloat16()
-    return pack_int4(quantize_int4(w, scales.float(), mins.float())), scales, mins
+def rtn_int4(w: Tensor, groupsize: int, fits: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """w (n, k) -> packed levels (n, k/2), bf16 scales and mins (n, k/groupsize), rounded to nearest. With
+    fits, each group's scale and min are then fitted to its levels by least squares and the levels rounded
+    again, that many times, a group keeping the fit only where it lowers the group's squared error: Int4GGUF
+    does so for the weights a GGUF file holds on another grid (Q3_K's, IQ4_NL's), whose values lie between
+    min-to-max levels, and it takes them about a fifth nearer to the file (benchmarks/RESULTS.md, "IQ4 and
+    Q3_K weights fitted")."""
+    groups = w.float().reshape(*w.shape[:-1], -1, groupsize)
+    # the parameters rounded to their stored dtype at once, so the levels fit what dequantization sees
+    scales, mins = (p[..., None].bfloat16().float() for p in int4_group_params(w, groupsize))
+
+    def levels_and_error(scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
+        levels = ((groups - mins) / scales).round().clamp(0, 15)
+        return levels, (levels * scales + mins - groups).square().sum(-1, keepdim=True)
+
+    levels, error = levels_and_error(scales, mins)
+    for _ in range(fits):
+        centred = levels - levels.mean(-1, keepdim=True)
+        spread = centred.square().sum(-1, keepdim=True)  # 0 where a group is one level: it keeps what it has
+        fitted = torch.where(spread > 0, (centred * groups).sum(-1, keepdim=True) / spread.clamp(min=1e-12), scales)
+        fitted = fitted.clamp(min=1e-8).bfloat16().float()
+        moved = (groups.mean(-1, keepdim=True) - fitted * levels.mean(-1, keepdim=True)).bfloat16().float()
+        fitted_levels, fitted_error = levels_and_error(fitted, moved)
+        better = fitted_error < error
+        scales, mins = torch.where(better, fitted, scales), torch.where(better, moved, mins)
+        levels, error = torch.where(better, fitted_levels, levels), torch.where(better, fitted_error, error)
+    return pack_int4(levels.reshape(w.shape).to(torch.uint8)), scales[..., 0].bfloat16(), mins[..., 0].bfloat16()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,6 +452,7 @@ class Int4(Scheme):
 
     method = layout = "int4"
     fallback = "dequantize"
+    fits = 0  # rtn_int4's least-squares fits of each group's scale and min
 
     def __init__(self, groupsize: int):
         if groupsize not in GROUPSIZES:
@@ -456,7 +478,7 @@ class Int4(Scheme):
 
     def group(self, name: str, read, shape: tuple) -> Group:
         pad = whole_groups(shape[-1], self.groupsize) - shape[-1]
-        return self.specs(name, shape), lambda: rtn_int4(F.pad(read().float(), (0, pad)), self.groupsize)
+        return self.specs(name, shape), lambda: rtn_int4(F.pad(read().float(), (0, pad)), self.groupsize, self.fits)
 
     def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
         device = old.weight.device
@@ -509,11 +531,12 @@ class Int4GGUF(Int4):
     and ffn_down, beside Q4_K q and k in our wqkv) is int8 (int8_layers), rounded per output channel from the
     import's dequantized weight: int4 would take those parts several times as far from the file, and its
     logits from llama.cpp's (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The
-    others are int4: rounded to it from the dequantized weight (Q3_K, IQ4_NL, ...), but for their Q4 parts,
-    copied. Its method keeps the name it was first written with, for the bundled model's Q4_1."""
+    others are int4: rounded to it from the dequantized weight (Q3_K, IQ4_NL, ...), each group's scale and
+    min fitted to its levels, but for their Q4 parts, copied. Its method keeps the name it was first written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
+    fits = 4  # the rounded types' levels fitted (rtn_int4): more fits take them no nearer
 
     def __init__(self, groupsize: int = 32, int8_layers=()):
         super().__init__(groupsize)
@@ -566,7 +589,7 @@ class Int4GGUF(Int4):
                 if part in self.copied:
                     made.append(q4_levels(self.tensors[part], heads))
                 else:
-                    levels, scales, mins = rtn_int4(w[row:row + rows], self.groupsize)
+                    levels, scales, mins = rtn_int4(w[row:row + rows], self.groupsize, self.fits)
                     made.append([levels, scales.half(), mins.half()])
                 row += rows
             return [torch.cat(p) for p in zip(*made)]

@@ -99,7 +99,7 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     assert 0 < (mine("layers.0.feed_forward.w2") - w).abs().max() <= 2 ** -10 * w.abs().max()
     w, qk = source["layers.0.attention.wqkv"], 576 + 192  # Q4_1 q and k copied, then an IQ4_NL v rounded to int4
     assert torch.equal(mine("layers.0.attention.wqkv")[:qk], w[:qk])
-    assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).abs().max() <= 0.1 * w[qk:].abs().max()
+    assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).norm() <= 0.08 * w[qk:].norm()
     for name in scheme.int8_layers:  # Q5_0 or Q8_0, or both
         assert (mine(name) - source[name]).abs().max() <= 0.01 * source[name].abs().max()
 
@@ -118,7 +118,7 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.01), ("Q5_0", "int8", 0.01), ("IQ4_NL", "int4", 0.1),
+@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.02), ("Q5_0", "int8", 0.02), ("IQ4_NL", "int4", 0.08),
                                                    ("F16", None, 0.005)])
 def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tmp_path, capfd, kind, mode, tolerance):
     ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
@@ -131,9 +131,12 @@ def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tm
             mine = ours[f"{name}.weight"].float() * ours[f"{name}.scales"].float()[:, None]
         elif mode == "int4":
             mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
+            # each group's scale and min fitted to IQ4_NL's uneven levels: nearer than from its min to its max
+            plain = quantize.dequantize_int4(*quantize.rtn_int4(w, 32))
+            assert (mine - w).norm() < 0.95 * (plain - w).norm(), name
         else:
             mine = ours[f"{name}.weight"].float()
-        assert (mine - w).abs().max() <= tolerance * w.abs().max(), name
+        assert (mine - w).norm() <= tolerance * w.norm(), name  # relative to the weight's norm
 
 
 def test_a_gguf_path_is_converted_on_first_use_and_again_when_the_file_or_the_import_changes(files, tmp_path, monkeypatch):
