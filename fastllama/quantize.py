@@ -532,7 +532,8 @@ class Int4GGUF(Int4):
     import's dequantized weight: int4 would take those parts several times as far from the file, and its
     logits from llama.cpp's (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The
     others are int4: rounded to it from the dequantized weight (Q3_K, IQ4_NL, ...), each group's scale and
-    min fitted to its levels, but for their Q4 parts, copied. Its method keeps the name it was first written with, for the bundled model's Q4_1."""
+    min fitted to its levels, but for their Q4 parts, copied. Its method keeps the name it was first
+    written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
