@@ -1,7 +1,8 @@
 """Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1 and Q4_K copied as int4 without loss, other
 types dequantized and quantized again with a notice (int8 where they hold more bits than int4, as Q5_0 and
-Q8_0 do), floats kept unquantized; what the import does not take refused in one line. The files are random weights in SmolLM2-135M's shape, two
-layers, with the bundled model's tokenizer (scripts/make_gguf.py)."""
+Q8_0 do), floats kept unquantized; what the import does not take refused in one line. The files are
+random weights in SmolLM2-135M's shape, two layers, with the bundled model's tokenizer
+(scripts/make_gguf.py)."""
 
 import dataclasses
 import json
@@ -79,8 +80,8 @@ def test_q4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
 def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(files, tmp_path, capfd):
     """Q4_K's and Q4_1's weights are copied (Q4_K's scales d sc and mins dmin mn to fp16's precision); a linear
     of ours held in part in more bits a weight than int4 holds (Q5_0, Q8_0) is int8, the others int4, copying
-    what is Q4 in them and rounding the rest; the notice says which types were rounded to what. The mixed model loads and computes as its weights
-    say."""
+    what is Q4 in them and rounding the rest; the notice says which types were rounded to what. The mixed
+    model loads and computes as its weights say."""
     ours, metadata, source, said = converted(files["Q4_K"], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
     assert type(scheme) is quantize.Int4GGUF
@@ -118,8 +119,8 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.02), ("Q5_0", "int8", 0.02), ("IQ4_NL", "int4", 0.08),
-                                                   ("F16", None, 0.005)])
+@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.02), ("Q5_0", "int8", 0.02),
+                                                   ("IQ4_NL", "int4", 0.08), ("F16", None, 0.005)])
 def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tmp_path, capfd, kind, mode, tolerance):
     ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
