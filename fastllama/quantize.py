@@ -99,13 +99,19 @@ def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.fl
     return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
+ROUNDING_ROWS = 256  # rtn_int4's rows at a time: whole matrices' temporaries made it several times slower
+
+
 def rtn_int4(w: Tensor, groupsize: int, fits: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """w (n, k) -> packed levels (n, k/2), bf16 scales and mins (n, k/groupsize), rounded to nearest. With
     fits, each group's scale and min are then fitted to its levels by least squares and the levels rounded
     again, that many times, a group keeping the fit only where it lowers the group's squared error: Int4GGUF
     does so for the weights a GGUF file holds on another grid (Q3_K's, IQ4_NL's), whose values lie between
     min-to-max levels, and it takes them about a fifth nearer to the file (benchmarks/RESULTS.md, "IQ4 and
-    Q3_K weights fitted")."""
+    Q3_K weights fitted"). Rows go ROUNDING_ROWS at a time, whose temporaries stay in the caches."""
+    if w.dim() > 2 or w.shape[0] > ROUNDING_ROWS:
+        parts = [rtn_int4(rows, groupsize, fits) for rows in w.reshape(-1, w.shape[-1]).split(ROUNDING_ROWS)]
+        return tuple(torch.cat(part).reshape(*w.shape[:-1], -1) for part in zip(*parts))
     groups = w.float().reshape(*w.shape[:-1], -1, groupsize)
     # the parameters rounded to their stored dtype at once, so the levels fit what dequantization sees
     scales, mins = (p[..., None].bfloat16().float() for p in int4_group_params(w, groupsize))
