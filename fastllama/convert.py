@@ -343,10 +343,12 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 # GGUF files: the bundled model, and any llama-architecture file a user has
 
 # what a GGUF file's linears become (gguf_mode): Q4_0, Q4_1 and Q4_K are int4's own layout (at groupsize
-# 32) and copied as they are (quantize.q4_levels); other types are dequantized, then quantized again (with a
-# notice): to int8 where they hold more bits a weight than int4 (gguf_int8_types), else to int4; and a float
-# file stays unquantized
+# 32) and copied as they are (quantize.q4_levels), and so are IQ4_NL and IQ4_XS, int4 whose 4 bits stand for
+# 16 levels of their own (quantize.IQ4_LEVELS), in a linear of ours that holds nothing else; other types are
+# dequantized, then quantized again (with a notice): to int8 where they hold more bits a weight than int4
+# (gguf_int8_types), else to int4; and a float file stays unquantized
 GGUF_LOSSLESS_INT4 = ("Q4_0", "Q4_1", "Q4_K")
+GGUF_IQ4 = ("IQ4_NL", "IQ4_XS")
 GGUF_FLOATS = ("F32", "F16", "BF16")
 # Llama 3's split of a text into words before its byte-level BPE (the Split pre-tokenizer of its tokenizer.json)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -361,8 +363,8 @@ GGUF_PRE_TOKENIZERS = {"gpt-2": {}, "smollm": {"digits": True},
 GGUF_CHECKPOINTS = DEFAULT_CHECKPOINT.parents[2] / "gguf"
 GGUF_STAMP = "gguf_source.json"  # which GGUF file a converted folder holds, written once the folder is whole
 # the import's version, in the stamp: a folder an earlier import converted is converted again (2: K-quants
-# copied; 3: every type of more bits than int4 kept in int8, those of fewer fitted as int4)
-GGUF_IMPORT = 3
+# copied; 3: every type of more bits than int4 kept in int8, those of fewer fitted as int4; 4: IQ4 copied)
+GGUF_IMPORT = 4
 
 
 def bundled_gguf() -> Path:
@@ -427,7 +429,8 @@ def gguf_mode(tensors: dict, gguf_path: Path) -> tuple[str | None, str | None]:
         if kind in eight:
             joined = ", with any others a linear of ours joins to them" if mode == "int4-gguf" else ""
             return f"quantized again as int8 (per output channel){joined}"
-        return None if kind in GGUF_LOSSLESS_INT4 else "quantized again as int4 (groups of 32)"
+        # copied (IQ4 but where a linear of ours joins it to a Q4 type: quantize.Int4GGUF.prepare says so)
+        return None if kind in GGUF_LOSSLESS_INT4 + GGUF_IQ4 else "quantized again as int4 (groups of 32)"
 
     kinds = {}
     for kind in sorted(weights):

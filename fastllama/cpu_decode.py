@@ -211,7 +211,7 @@ def linear_kernels() -> bool:
     torch.library.register_fake("fastllama::bf16_linear")(
         lambda x, w, tiles, bias, max_rows: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("fastllama::int4_rows")(
-        lambda x, w, sm: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
+        lambda x, w, sm, levels=None: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     torch.library.register_fake("fastllama::int8_rows")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 16, dtype=torch.float32))
     return True

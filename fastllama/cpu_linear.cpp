@@ -21,7 +21,9 @@
 // vpmaddwd adds the pairs into int32 once a block. The exact forms before them were bound by their arithmetic: on
 // AVX-512 (x in bf16, a level read as the bf16 number 128 + q) this takes less time at any count of rows, for a
 // slightly higher perplexity (benchmarks/RESULTS.md, "Int4 products in integers on AVX-512"; on AVX2, "Int4 products
-// in integers on AVX2").
+// in integers on AVX2"). A weight whose 16 levels are not 0 .. 15 (IQ4_NL's, from a GGUF file: w = s levels[q] + m)
+// has them given as int8 numbers, and each 4 bits is looked up (vpshufb) into a byte as an int8 weight's level is
+// read, then multiplied as int8's are ("IQ4 weights as the file holds them").
 //
 // int8 (int8_rows): quantize.Int8Linear's levels, a byte each, laid out as int4's (quantize.int8_rows_layout, in
 // place) and multiplied in integers as int4's, x rounded alike (as llama.cpp's products against a Q8_0 weight); its
@@ -167,6 +169,12 @@ inline Bytes int8_piece(const uint8_t* p) {
   return _mm512_xor_si512(raw, _mm512_set1_epi8(char(0x80)));
 }
 inline Sums no_sums() { return _mm512_setzero_si512(); }
+// A weight's 16 levels as bytes read as an int8 level is (its top bit flipped), in each 128-bit lane for vpshufb
+using Table = __m512i;
+inline Table level_table(const int8_t* levels) {
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(load16bytes(levels)), _mm512_set1_epi8(char(0x80)));
+}
+inline Bytes look_up(Table table, Levels q) { return _mm512_shuffle_epi8(table, q); }
 #else
 struct Levels {
   __m256i lo, hi;  // outputs 0-7, 8-15
@@ -222,15 +230,24 @@ inline Sums dot4(Sums d, const Bytes& q, const int8_t* x) {
   return {_mm256_add_epi32(d.lo, products(0)), _mm256_add_epi32(d.hi, products(1))};
 }
 inline Vec block_sums(Sums d) { return {_mm256_cvtepi32_ps(d.lo), _mm256_cvtepi32_ps(d.hi)}; }
+using Table = __m256i;
+inline Table level_table(const int8_t* levels) { return _mm256_broadcastsi128_si256(load16bytes(levels)); }
+inline Bytes look_up(Table table, const Levels& q) {
+  Bytes b;
+  b.level[0] = _mm256_shuffle_epi8(table, q.lo);
+  b.level[1] = _mm256_shuffle_epi8(table, q.hi);
+  for (int h = 0; h < 2; h++) b.magnitude[h] = _mm256_abs_epi8(b.level[h]);
+  return b;
+}
 #endif
 
 // A weight of 4- or 8-bit levels w in tiles, nb blocks of 32 inputs a row, times x's rows rounded to int8 a block at
 // a time (round_blocks). int4: each tile and block's 16 scales, then 16 mins, in sm (a block's part of y: s xs sum q xq
-// + m xs sum xq); int8: signed levels, their scales the caller's (a block's part: xs sum q xq). A group's tiles lie
-// block by block, so that the group is one stream. A pass of up to 4 rows reads each piece's levels once for all of
-// them: with AVX2, less time at 4 and 8 rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of several
-// rows on AVX2").
-template <int Bits, typename Scale = at::BFloat16>
+// + m xs sum xq), with Lookup the 4 bits of q looked up in a table of 16 int8 levels; int8: signed levels, their
+// scales the caller's (a block's part: xs sum q xq). A group's tiles lie block by block, so that the group is one
+// stream. A pass of up to 4 rows reads each piece's levels once for all of them: with AVX2, less time at 4 and 8
+// rows than a pass a row (benchmarks/RESULTS.md, "Int4 products of several rows on AVX2").
+template <int Bits, typename Scale = at::BFloat16, bool Lookup = false>
 struct IntTiles {
   static constexpr int MAX_ROWS = 4;
   static constexpr int64_t BLOCK = 32;                  // inputs a scale (and a min) cover
@@ -239,7 +256,7 @@ struct IntTiles {
   // a small model's product reads a few hundred KB, too short a stream for the hardware's prefetcher to reach
   // speed on its own (benchmarks/RESULTS.md, "Int4 weights fetched ahead, and q converted in the kernel")
   static constexpr int64_t AHEAD = 4;
-  using BlockSums = std::conditional_t<Bits == 4, Dots, Sums>;
+  using BlockSums = std::conditional_t<Bits == 4 && !Lookup, Dots, Sums>;  // looked-up levels sum as int8's
   const uint8_t* w;
   const Scale* sm;  // int4's
   int64_t nb;
@@ -250,6 +267,7 @@ struct IntTiles {
   const float* xs;   // (M, nb): the blocks' scales
   const float* sx;   // (M, nb): the rounded blocks' sums, xs sum xq
   const float* offset;  // int8's (M): LEVEL_OFFSET times the sum of a row's sx, which its sums hold beyond y
+  Table table;  // Lookup's levels
 
   template <int NT>
   void fetch_piece(int64_t piece) const {
@@ -275,14 +293,19 @@ struct IntTiles {
         const uint8_t* piece = levels(t0, b, NT, t);
         BlockSums d[R];  // integers: each row's the same whatever the rows of the pass
         for (int r = 0; r < R; r++) {
-          if constexpr (Bits == 4) d[r] = no_dots();
+          if constexpr (Bits == 4 && !Lookup) d[r] = no_dots();
           else d[r] = no_sums();
         }
         for (int c = 0; c < TILE_BYTES / 64; c++) {
           if constexpr (Bits == 4) {
             Levels low, high;
             nibbles(piece + 64 * c, low, high);
-            for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
+            if constexpr (Lookup) {
+              const Bytes lo = look_up(table, low), hi = look_up(table, high);
+              for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], lo, xb[r] + 4 * c), hi, xb[r] + 16 + 4 * c);
+            } else {
+              for (int r = 0; r < R; r++) d[r] = dot4(dot4(d[r], low, xb[r] + 4 * c), high, xb[r] + 16 + 4 * c);
+            }
           } else {
             const Bytes q = int8_piece<R == 1>(piece + 64 * c);
             for (int r = 0; r < R; r++) d[r] = dot4(d[r], q, xb[r] + 4 * c);
@@ -292,7 +315,9 @@ struct IntTiles {
           const int64_t at = (r0 + r) * nb + b;
           if constexpr (Bits == 4) {
             const Scale* q = scales(t0, b, NT, t);
-            const Vec s = load16(q), m = load16(q + TILE);
+            const Vec s = load16(q);
+            // looked-up levels are read LEVEL_OFFSET high, as int8's: the min takes it back
+            const Vec m = Lookup ? sub(load16(q + TILE), mul(s, set1(LEVEL_OFFSET))) : load16(q + TILE);
             acc[t][r] = fmadd(m, set1(sx[at]), fmadd(block_sums(d[r]), mul(s, set1(xs[at])), acc[t][r]));
           } else {
             acc[t][r] = fmadd(block_sums(d[r]), set1(xs[at]), acc[t][r]);
@@ -417,28 +442,41 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y.to(at::kBFloat16);
 }
 
-template <typename Scale>
-void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, at::Tensor& y) {
+template <typename Scale, bool Lookup>
+void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm, const int8_t* levels,
+                   at::Tensor& y) {
   const int64_t nb = w.size(1);
   const Rounded r(x, nb);
-  const IntTiles<4, Scale> kind{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb, y.data_ptr<float>(),
-                                y.size(1), r.xq.data(), r.xs.data(), r.sx.data(), nullptr};
+  const IntTiles<4, Scale, Lookup> kind{w.data_ptr<uint8_t>(), sm.data_ptr<Scale>(), nb, w.size(0) * nb,
+                                        y.data_ptr<float>(), y.size(1), r.xq.data(), r.xs.data(), r.sx.data(),
+                                        nullptr, Lookup ? level_table(levels) : Table{}};
   products(kind, x.size(0), w.size(0));
 }
 
+template <typename Scale>
+void int4_products(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm,
+                   const std::optional<at::Tensor>& levels, at::Tensor& y) {
+  if (levels) return int4_products<Scale, true>(x, w, sm, levels->data_ptr<int8_t>(), y);
+  int4_products<Scale, false>(x, w, sm, nullptr, y);
+}
+
 // x (M, K) bf16; w (N/16, K/32, 256) uint8 and sm (N/16, K/32, 2, 16) bf16 or fp16 as
-// quantize.int4_rows_layout makes them. Returns y (M, N) fp32.
-at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm) {
+// quantize.int4_rows_layout makes them; levels, where given, the 16 int8 levels q stands for. Returns y (M, N) fp32.
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sm,
+                     const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.size(2) == 256 &&
                   w.scalar_type() == at::kByte && sm.dim() == 4,
               "int4_rows: x (M, K) bf16, w (N/16, K/32, 256) uint8, sm (N/16, K/32, 2, 16)");
   TORCH_CHECK(x.size(1) == w.size(1) * 32 && sm.size(0) == w.size(0) && sm.size(1) == w.size(1),
               "int4_rows: shapes disagree");
+  TORCH_CHECK(!levels || (levels->dim() == 1 && levels->numel() == 16 && levels->scalar_type() == at::kChar &&
+                          levels->is_contiguous() && levels->device().is_cpu()),
+              "int4_rows: levels (16,) int8, on the CPU");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), smc = sm.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0) * TILE}, x.options().dtype(at::kFloat));
   switch (sm.scalar_type()) {
-    case at::kBFloat16: int4_products<at::BFloat16>(xc, wc, smc, y); break;
-    case at::kHalf: int4_products<at::Half>(xc, wc, smc, y); break;
+    case at::kBFloat16: int4_products<at::BFloat16>(xc, wc, smc, levels, y); break;
+    case at::kHalf: int4_products<at::Half>(xc, wc, smc, levels, y); break;
     default: TORCH_CHECK(false, "int4_rows: scales and mins in bf16 or fp16, not ", sm.scalar_type());
   }
   return y;
@@ -449,7 +487,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(fastllama, m) {
   m.def("bf16_rows(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, Tensor tiles, Tensor? bias, int max_rows) -> Tensor");
-  m.def("int4_rows(Tensor x, Tensor w, Tensor sm) -> Tensor");
+  m.def("int4_rows(Tensor x, Tensor w, Tensor sm, Tensor? levels=None) -> Tensor");
   m.def("int8_rows(Tensor x, Tensor w) -> Tensor");
 }
 

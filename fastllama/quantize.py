@@ -12,9 +12,10 @@ bf16 (a step reads one row of them).
 
 Layouts in the file are device-neutral: int8 `weight` (n, k) with `scales` (n,); int4 `weight` uint8
 (n, k/2), two 4-bit values a byte, high nibble first, with `scales` and `mins` (n, k/groupsize),
-where w = q * scale + min. `pack_for_device` chooses each module's kernel for its device once, at
-load, and turns int4 into that kernel's layout. The scheme is recorded in the file's safetensors
-metadata, never parsed from its name.
+where w = q * scale + min (IQ4_LEVELS[q] * scale + min for the linears a GGUF import names in its
+`iq4_layers`). `pack_for_device` chooses each module's kernel for its device once, at load, and turns
+int4 into that kernel's layout. The scheme is recorded in the file's safetensors metadata, never parsed
+from its name.
 
 Each mode is one scheme object (Int8, Int4, Int4GPTQ, Int4GGUF) owning its tensors in the file, the
 modules it swaps in and their kernels, what tensor parallelism needs of it and its metadata: a new
@@ -93,9 +94,12 @@ def whole_groups(k: int, groupsize: int) -> int:
     return -(-k // groupsize) * groupsize
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.float32) -> Tensor:
-    """(n, k/2) packed levels, (n, k/groupsize) scales and mins -> w (n, k) in dtype."""
-    q = unpack_int4(packed).to(dtype).view(*scales.shape, -1)  # (n, groups, groupsize)
+def dequantize_int4(packed: Tensor, scales: Tensor, mins: Tensor, dtype=torch.float32,
+                    levels: Tensor | None = None) -> Tensor:
+    """(n, k/2) packed levels, (n, k/groupsize) scales and mins -> w (n, k) in dtype; with `levels`, the 16
+    numbers the 4 bits stand for (IQ4_LEVELS), w = levels[q] * scale + min."""
+    q = unpack_int4(packed)
+    q = (q if levels is None else levels.to(q.device)[q.long()]).to(dtype).view(*scales.shape, -1)  # (n, groups, gs)
     return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
@@ -106,9 +110,10 @@ def rtn_int4(w: Tensor, groupsize: int, fits: int = 0) -> tuple[Tensor, Tensor, 
     """w (n, k) -> packed levels (n, k/2), bf16 scales and mins (n, k/groupsize), rounded to nearest. With
     fits, each group's scale and min are then fitted to its levels by least squares and the levels rounded
     again, that many times, a group keeping the fit only where it lowers the group's squared error: Int4GGUF
-    does so for the weights a GGUF file holds on another grid (Q3_K's, IQ4_NL's), whose values lie between
-    min-to-max levels, and it takes them about a fifth nearer to the file (benchmarks/RESULTS.md, "IQ4 and
-    Q3_K weights fitted"). Rows go ROUNDING_ROWS at a time, whose temporaries stay in the caches."""
+    does so for the weights a GGUF file holds on another grid (Q3_K's, Q2_K's; IQ4's for a kernel without
+    its levels), whose values lie between min-to-max levels, and it takes them about a fifth nearer to the
+    file (benchmarks/RESULTS.md, "IQ4 and Q3_K weights fitted"). Rows go ROUNDING_ROWS at a time, whose
+    temporaries stay in the caches."""
     if w.dim() > 2 or w.shape[0] > ROUNDING_ROWS:
         parts = [rtn_int4(rows, groupsize, fits) for rows in w.reshape(-1, w.shape[-1]).split(ROUNDING_ROWS)]
         return tuple(torch.cat(part).reshape(*w.shape[:-1], -1) for part in zip(*parts))
@@ -178,12 +183,18 @@ class Int8Linear(nn.Module):
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
+# IQ4_NL's (and IQ4_XS's) 16 levels, llama.cpp's: a GGUF file's 4 bits stand for these, times a scale
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
 class Int4Linear(nn.Module):
-    """Groupwise int4. Holds the neutral layout until `pack(kernel)`, then the kernel's layout."""
+    """Groupwise int4. Holds the neutral layout until `pack(kernel)`, then the kernel's layout. With iq4, the
+    4 bits stand for IQ4_LEVELS rather than 0 .. 15 (a GGUF file's IQ4 weights, copied): cpu_linear.cpp's
+    kernel looks them up; for the others, the weight is rounded to plain int4 as it is packed."""
     repacked = ("scales", "mins")  # replaced by new tensors in packing; CPU kernels rewrite the weight in place
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
-                 dtype=torch.bfloat16, device=None):
+                 dtype=torch.bfloat16, device=None, iq4: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.padded_in = whole_groups(in_features, groupsize)
@@ -192,15 +203,23 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        self.iq4 = iq4  # not in the file: the scheme's metadata says
+        self.register_buffer("levels", None, persistent=False)  # IQ4_LEVELS, for cpu-tiles once packed
         self.kernel = None  # "cuda", "cpu-tiles", "cpu" or "dequantize" once packed
 
     def pack(self, kernel: str):
         """Turn the neutral layout into `kernel`'s: tinygemm's packed weight and scales_and_zeros, or
         for "dequantize" the bf16 weight."""
+        levels = torch.tensor(IQ4_LEVELS, dtype=torch.int8, device=self.weight.device) if self.iq4 else None
         if kernel == "dequantize":
-            self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins).bfloat16())
+            self.register_buffer("weight_bf16", dequantize_int4(self.weight, self.scales, self.mins,
+                                                                levels=levels).bfloat16())
             del self.weight
         else:
+            if levels is not None and kernel != "cpu-tiles":  # a kernel of levels 0 .. 15 only
+                w = dequantize_int4(self.weight, self.scales, self.mins, levels=levels)
+                self.weight, self.scales, self.mins = rtn_int4(w, self.groupsize, Int4GGUF.fits)
+            self.levels = levels if kernel == "cpu-tiles" else None
             self.weight, scales_and_zeros = int4_kernel_layout(kernel, self.weight, self.scales, self.mins)
             self.register_buffer("scales_and_zeros", scales_and_zeros)
         del self.scales, self.mins
@@ -215,7 +234,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "dequantize":
             y = F.linear(x.bfloat16(), self.weight_bf16)
         else:
-            y = int4_matmul(self.kernel, x, self.weight, self.groupsize, self.scales_and_zeros)
+            y = int4_matmul(self.kernel, x, self.weight, self.groupsize, self.scales_and_zeros, self.levels)
         y = y if self.bias is None else y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
@@ -277,12 +296,13 @@ def int4_rows_layout(weight: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tens
     return weight.view(n // 16, k // 32, 256), sm.view(n // 16, k // 32, 2, 16)
 
 
-def int4_matmul(kernel: str, x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
-    """x (m, k) times a weight packed for `kernel`: bf16 (cpu-tiles: fp32)."""
+def int4_matmul(kernel: str, x: Tensor, weight: Tensor, groupsize: int, scales_and_zeros: Tensor,
+                levels: Tensor | None = None) -> Tensor:
+    """x (m, k) times a weight packed for `kernel`: bf16 (cpu-tiles: fp32; it alone takes `levels`)."""
     if kernel == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x.bfloat16(), weight, groupsize, scales_and_zeros)
     if kernel == "cpu-tiles":
-        return torch.ops.fastllama.int4_rows(x.bfloat16(), weight, scales_and_zeros)
+        return torch.ops.fastllama.int4_rows(x.bfloat16(), weight, scales_and_zeros, levels)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), weight, groupsize, scales_and_zeros)
 
 
@@ -397,8 +417,8 @@ class Scheme:
     scheme adds
       group(name, read, shape) -> Group: the tensors in the file replacing linear weight `name` of
         `shape` ((n, k), or (n_experts, n, k): a MoE layer's experts), made from read() when written;
-      module(old) -> nn.Module: what takes the place of `old` (an nn.Linear or ExpertLinears) on its
-        device, empty until loading fills it;
+      module(old, name) -> nn.Module: what takes the place of `old`, the model's layer `name` (an
+        nn.Linear or ExpertLinears), on its device, empty until loading fills it;
       kernel(module) -> str, where its modules have a `kernel` (None until packed): the one `pack`
         takes on the module's device.
     Tensor parallelism reads a rank's slice of each tensor by its dimensions (tp.shard_selector): a
@@ -411,6 +431,7 @@ class Scheme:
     fallback: str | None = None  # the kernel of a device that has none of the scheme's own: noted at load
     made_in_memory = True  # False where making it takes more than the weights (a calibration text, a GGUF)
     int8_layers: frozenset = frozenset()  # linears kept in int8 besides the head (Int4GGUF's)
+    iq4_layers: frozenset = frozenset()  # int4 linears whose levels are IQ4_LEVELS (Int4GGUF's)
 
     @classmethod
     def from_options(cls, groupsize: int, **calibration) -> "Scheme":
@@ -441,7 +462,7 @@ class Int8(Scheme):
         specs = [(f"{base}.weight", torch.int8, shape), (f"{base}.scales", torch.bfloat16, shape[:-1])]
         return specs, lambda: quantize_int8(read())
 
-    def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
+    def module(self, old: nn.Linear | ExpertLinears, name: str) -> nn.Module:
         device = old.weight.device
         if isinstance(old, ExpertLinears):
             n_experts, out_features, in_features = old.weight.shape
@@ -486,12 +507,13 @@ class Int4(Scheme):
         pad = whole_groups(shape[-1], self.groupsize) - shape[-1]
         return self.specs(name, shape), lambda: rtn_int4(F.pad(read().float(), (0, pad)), self.groupsize, self.fits)
 
-    def module(self, old: nn.Linear | ExpertLinears) -> nn.Module:
+    def module(self, old: nn.Linear | ExpertLinears, name: str) -> nn.Module:
         device = old.weight.device
         if isinstance(old, ExpertLinears):
             n_experts, out_features, in_features = old.weight.shape
             return Int4ExpertLinears(n_experts, in_features, out_features, self.groupsize, device=device)
-        return Int4Linear(old.in_features, old.out_features, self.groupsize, old.bias is not None, device=device)
+        return Int4Linear(old.in_features, old.out_features, self.groupsize, old.bias is not None, device=device,
+                          iq4=name in self.iq4_layers)
 
     def kernel(self, module: Int4Linear | Int4ExpertLinears) -> str:
         return int4_kernel(module.weight.device, module.out_features)
@@ -536,18 +558,20 @@ class Int4GGUF(Int4):
     (convert.gguf_int8_types: Q5_0, Q5_K, Q6_K, Q8_0, ...; in a Q4_K_M file, the Q6_K of some layers' attn_v
     and ffn_down, beside Q4_K q and k in our wqkv) is int8 (int8_layers), rounded per output channel from the
     import's dequantized weight: int4 would take those parts several times as far from the file, and its
-    logits from llama.cpp's (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). The
-    others are int4: rounded to it from the dequantized weight (Q3_K, IQ4_NL, ...), each group's scale and
-    min fitted to its levels, but for their Q4 parts, copied. Its method keeps the name it was first
-    written with, for the bundled model's Q4_1."""
+    logits from llama.cpp's (benchmarks/RESULTS.md, "A K-quant file's weights as the file holds them"). A
+    linear held wholly in IQ4_NL or IQ4_XS (blocks of 32 with a scale each, its 4 bits standing for IQ4_LEVELS)
+    is copied too, its levels looked up by the CPU kernel (iq4_layers; "IQ4 weights as the file holds them").
+    The others are int4: rounded to it from the dequantized weight (Q3_K, Q2_K, an IQ4 part beside a Q4 one),
+    each group's scale and min fitted to its levels, but for their Q4 parts, copied. Its method keeps the name
+    it was first written with, for the bundled model's Q4_1."""
 
     method = "gguf-q4_1"
     made_in_memory = False
     fits = 4  # the rounded types' levels fitted (rtn_int4): more fits take them no nearer
 
-    def __init__(self, groupsize: int = 32, int8_layers=()):
+    def __init__(self, groupsize: int = 32, int8_layers=(), iq4_layers=()):
         super().__init__(groupsize)
-        self.int8_layers = frozenset(int8_layers)
+        self.int8_layers, self.iq4_layers = frozenset(int8_layers), frozenset(iq4_layers)
         # the GGUF's tensors by name, those it holds in a type copied, and those of each of ours, once prepared
         self.tensors, self.copied, self.parts = {}, set(), {}
 
@@ -559,15 +583,16 @@ class Int4GGUF(Int4):
 
     @classmethod
     def from_metadata(cls, entry: dict) -> "Int4GGUF":
-        return cls(int8_layers=entry.get("int8_layers", ()))
+        return cls(int8_layers=entry.get("int8_layers", ()), iq4_layers=entry.get("iq4_layers", ()))
 
     def metadata(self) -> dict:
-        return {**super().metadata(), **({"int8_layers": sorted(self.int8_layers)} if self.int8_layers else {})}
+        layers = {"int8_layers": sorted(self.int8_layers), "iq4_layers": sorted(self.iq4_layers)}
+        return {**super().metadata(), **{key: names for key, names in layers.items() if names}}
 
     def prepare(self, checkpoint_path: Path, source, config: ModelArgs) -> str:
         import gguf
 
-        from .convert import GGUF_LOSSLESS_INT4, gguf_int8_types, gguf_layer_weights, gguf_names
+        from .convert import GGUF_IQ4, GGUF_LOSSLESS_INT4, gguf_int8_types, gguf_layer_weights, gguf_names
 
         gguf_path = read_metadata(checkpoint_path).get("source", "")
         if not gguf_path.endswith(".gguf") or not Path(gguf_path).is_file():
@@ -578,9 +603,16 @@ class Int4GGUF(Int4):
         eight = gguf_int8_types(gguf_layer_weights(self.tensors))
         with torch.device("meta"):
             linears = set(linear_names(Transformer(config))) - {"output"}
-        self.int8_layers = frozenset(
-            base for name, parts in self.parts.items() if (base := name.removesuffix(".weight")) in linears
-            and any(self.tensors[part].tensor_type.name in eight for part, _ in parts))
+        ours = {base: parts for name, parts in self.parts.items() if (base := name.removesuffix(".weight")) in linears}
+        kinds = {base: {self.tensors[part].tensor_type.name for part, _ in parts} for base, parts in ours.items()}
+        self.int8_layers = frozenset(base for base, held in kinds.items() if held & eight)
+        self.iq4_layers = frozenset(base for base, held in kinds.items() if held <= set(GGUF_IQ4))
+        self.copied |= {part for base in self.iq4_layers for part, _ in ours[base]}
+        rounded = {kind for base, held in kinds.items() if base not in self.int8_layers | self.iq4_layers
+                   for kind in held & set(GGUF_IQ4)}
+        if rounded:  # beside a Q4 type in one linear: one table of levels a linear
+            print(f"note: {Path(gguf_path).name}: its {', '.join(sorted(rounded))} weights that a linear of ours "
+                  f"joins to Q4 ones are dequantized and quantized again as int4 (groups of 32)", file=sys.stderr)
         return gguf_path
 
     def group(self, name: str, read, shape: tuple) -> Group:
@@ -670,7 +702,7 @@ def swap_linears(model: Transformer, scheme: Scheme):
     for name in linear_names(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, layer_scheme(name, scheme).module(getattr(parent, child)))
+        setattr(parent, child, layer_scheme(name, scheme).module(getattr(parent, child), name))
 
 
 def repacked_names(model: nn.Module) -> set[str]:
@@ -898,14 +930,16 @@ def python_docs_text(part: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# A GGUF file's Q4_0, Q4_1 and Q4_K weights, imported without loss (Int4GGUF)
+# A GGUF file's Q4_0, Q4_1, Q4_K and IQ4 weights, imported without loss (Int4GGUF)
 
 
 def q4_levels(tensor, heads: int | None) -> list[Tensor]:
-    """A GGUF file's Q4_0, Q4_1 or Q4_K tensor as int4's packed levels and fp16 scales and mins, its rows
-    in our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it did not).
-    Q4_0: blocks of 32, fp16 d, w = d (q - 8) (a min of -8d); Q4_1: w = d q + m, fp16 m too; Q4_K: blocks of
-    256 with fp16 d and dmin, and for each group of 32 a 6-bit sc and mn, w = d sc q - dmin mn."""
+    """A GGUF file's Q4_0, Q4_1, Q4_K, IQ4_NL or IQ4_XS tensor as int4's packed levels and fp16 scales and
+    mins, its rows in our order (llama.cpp interleaves each of `heads` heads' rotary halves: None where it
+    did not). Q4_0: blocks of 32, fp16 d, w = d (q - 8) (a min of -8d); Q4_1: w = d q + m, fp16 m too; Q4_K:
+    blocks of 256 with fp16 d and dmin, and for each group of 32 a 6-bit sc and mn, w = d sc q - dmin mn.
+    IQ4_NL: as Q4_0, w = d IQ4_LEVELS[q] (a min of 0); IQ4_XS: blocks of 256 with fp16 d, and for each group
+    of 32 a 6-bit ls, w = d (ls - 32) IQ4_LEVELS[q]."""
     from .convert import unpermute_rows
 
     kind, raw = tensor.tensor_type.name, torch.from_numpy(tensor.data.copy())
@@ -918,13 +952,26 @@ def q4_levels(tensor, heads: int | None) -> list[Tensor]:
         qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)  # 32 bytes: a group's levels low, the next's high
         levels = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(blocks.shape[0], -1)
         d, m = (d * sc).flatten(1).half(), (-dmin * mn).flatten(1).half()  # exact in fp32, then to fp16
+    elif kind == "IQ4_XS":
+        blocks = raw.view(raw.shape[0], -1, 136)  # (rows, k/256, d scales-high scales-low qs)
+        d = blocks[..., :2].contiguous().view(torch.float16).float()
+        high = blocks[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # 2 bits of each group's ls
+        low = blocks[..., 4:8].int()  # 4 bits of each group's ls, group 2i's low, 2i + 1's high in byte i
+        ls = torch.stack([low & 15, low >> 4], dim=-1).flatten(-2) | (high >> 2 * torch.arange(8) & 3) << 4
+        qs = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)  # each group as IQ4_NL's: low nibbles first
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)
+        d = (d * (ls - 32)).flatten(1).half()  # exact in fp32, then to fp16
+        m = torch.zeros_like(d)
     else:
-        size = {"Q4_0": 18, "Q4_1": 20}[kind]
+        size = {"Q4_0": 18, "Q4_1": 20, "IQ4_NL": 18}[kind]
         blocks = raw.view(raw.shape[0], -1, size)  # (rows, k/32, d [m] qs)
         qs = blocks[..., size - 16:]
         levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
         d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]  # (rows, k/32)
-        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0] if size == 20 else d * -8  # exact: a power of 2
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        else:
+            m = d * -8 if kind == "Q4_0" else torch.zeros_like(d)  # exact: a power of 2
     parts = [pack_int4(levels), d, m]
     return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 

@@ -51,8 +51,9 @@ def depths_main(args):
                         f"ask for shallower --depths or fewer --max_new_tokens")
     steps = gen.compiled_steps(dynamic_prefill=True)
     scheme = None if args.model else quantize.read_scheme(read_metadata(gen.find_checkpoint(args.checkpoint_path)))
-    # a quantized checkpoint's method, and a K-quant GGUF's count of linears kept in int8 (quantize.Int4GGUF)
-    method = scheme and scheme.method + (f" + {len(scheme.int8_layers)} int8" if scheme.int8_layers else "")
+    # a quantized checkpoint's method, and a GGUF's counts of linears kept in int8 and in IQ4 (quantize.Int4GGUF)
+    method = scheme and scheme.method + "".join(f" + {len(layers)} {kind}" for kind, layers in
+                                                (("int8", scheme.int8_layers), ("iq4", scheme.iq4_layers)) if layers)
     name = f"{method}, {args.precision}" if scheme else args.precision
     models = [(name, model)] if not args.quantized else [(q, make()) for q, make in quantized_models(args, model).items()]
     deepest_cache = decode.padded_length(depths[-1] + n, model.config.block_size)

@@ -3,9 +3,9 @@ eval.py do the same on first use of `--checkpoint_path FILE.gguf`).
 
     python scripts/convert_gguf.py --gguf model.Q4_0.gguf [--output_dir DIR]
 
-Q4_0, Q4_1 and Q4_K weights are copied as int4 without loss; a linear held in any part in more bits a
-weight than int4 (Q5_0, Q5_K, Q6_K, Q8_0, ...) becomes int8, one in fewer (Q3_K, Q2_K, ...) int4, both
-dequantized and quantized again (a notice says so); a file of F32, F16 or BF16 stays unquantized, in bf16.
+Q4_0, Q4_1, Q4_K, IQ4_NL and IQ4_XS weights are copied as int4 without loss; a linear held in any part in
+more bits a weight than int4 (Q5_0, Q5_K, Q6_K, Q8_0, ...) becomes int8, one in fewer (Q3_K, Q2_K) int4,
+both dequantized and quantized again (a notice says so); a file of F32, F16 or BF16 stays unquantized, in bf16.
 The GGUF file is only read.
 """
 

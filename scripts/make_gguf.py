@@ -12,7 +12,7 @@ rope_freqs tensor llama.cpp's converter writes for it. The layers' matrices
 are of --type, the embedding table of --embedding_type, the norms F32; the gguf package quantizes
 (it writes F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, no K-quants). The weights are normal
 with a standard deviation of dim^-0.5, so that the activations stay of the size real models have;
-Q4_K's and IQ4_NL's are written here as random blocks of about that deviation (RANDOM_BLOCKS).
+Q4_K's, IQ4_NL's and IQ4_XS's are written here as random blocks of about that deviation (RANDOM_BLOCKS).
 """
 
 import argparse
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modul
 from fastllama.errors import UserError, run_cli  # noqa: E402
 from shapes import shape  # noqa: E402
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "IQ4_NL")
-K_BLOCK = 256  # the inputs of a K-quant's block: a matrix whose rows are not a multiple of it takes FALLBACK
-FALLBACK = "Q5_0"  # as llama-quantize's Q4_K does
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+K_BLOCK = 256  # the inputs of a K-quant's block: a matrix whose rows are not a multiple of it takes FALLBACK's
+FALLBACK = {"Q4_K": "Q5_0", "IQ4_XS": "IQ4_NL"}  # as llama-quantize's
 
 
 def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = "Q8_0",
@@ -82,8 +82,8 @@ def make_gguf(output: Path, model: str, tensor_type: str, embedding_type: str = 
 
     def add(name: str, rows: int, cols: int, kind: str):
         kind = (tensor_types or {}).get(name, kind)
-        if kind == "Q4_K" and cols % K_BLOCK:
-            kind = FALLBACK
+        if kind in FALLBACK and cols % K_BLOCK:
+            kind = FALLBACK[kind]
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in RANDOM_BLOCKS:
             writer.add_tensor(name, RANDOM_BLOCKS[kind](rng, rows, cols, args.dim ** -0.5), raw_dtype=qtype)
@@ -146,7 +146,20 @@ def random_iq4_nl(rng, rows: int, cols: int, std: float) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (n, 16), dtype=np.uint8)], axis=1).reshape(rows, -1)
 
 
-RANDOM_BLOCKS = {"Q4_K": random_q4_k, "IQ4_NL": random_iq4_nl}  # the types written as random blocks
+def random_iq4_xs(rng, rows: int, cols: int, std: float) -> np.ndarray:
+    """Random weights in IQ4_XS's blocks, as bytes (rows, cols / 256 * 136): for each 256 inputs an fp16 d, 8
+    groups' 6-bit scales ls (their high 2 bits in 2 bytes, their low 4 in 4 more) and 128 bytes of IQ4_NL's
+    indices (w = d (ls - 32) level), all uniform; their standard deviation about std."""
+    import gguf
+
+    n = rows * cols // K_BLOCK
+    levels = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    d = np.full((n, 1), std / np.sqrt(np.mean(levels ** 2) * np.mean((np.arange(64) - 32.0) ** 2)), np.float16)
+    scales_and_levels = rng.integers(0, 256, (n, 2 + 4 + 128), dtype=np.uint8)
+    return np.concatenate([d.view(np.uint8), scales_and_levels], axis=1).reshape(rows, -1)
+
+
+RANDOM_BLOCKS = {"Q4_K": random_q4_k, "IQ4_NL": random_iq4_nl, "IQ4_XS": random_iq4_xs}  # written as random blocks
 
 
 def sentencepiece_fields(path: Path) -> dict:

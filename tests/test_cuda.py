@@ -132,6 +132,24 @@ def test_quantized_kernels_match_their_dequantized_weights(mode, n, k):
             assert ((y.float() - expected).abs().max() / expected.abs().max()).item() <= 2e-2, (mode, n, k, rows)
 
 
+@torch.no_grad()
+def test_an_iq4_linear_is_rounded_to_plain_int4_for_tinygemm():
+    """A GGUF file's IQ4 weights, copied (their 4 bits stand for IQ4_LEVELS): tinygemm takes levels 0 .. 15 only,
+    so packing rounds the weight to them, near it (a weight packed as it is would be far)."""
+    n, k = 4096, 4096
+    m = quantize.Int4Linear(k, n, 32, dtype=torch.float16, device="cuda", iq4=True)
+    m.weight.copy_(torch.randint(0, 256, m.weight.shape, dtype=torch.uint8, device="cuda"))
+    m.scales.copy_(torch.rand(m.scales.shape, device="cuda") / 1000 + 1e-4)
+    m.mins.zero_()
+    levels = torch.tensor(quantize.IQ4_LEVELS, dtype=torch.int8)
+    reference = quantize.dequantize_int4(m.weight, m.scales, m.mins, levels=levels)
+    m.pack(quantize.int4_kernel(m.weight.device, n))
+    assert m.kernel == "cuda" and m.levels is None
+    x = torch.randn(1, 6, k, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.float(), reference)
+    assert ((m(x).float() - expected).abs().max() / expected.abs().max()).item() <= 0.15
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
 def test_quantized_models_decode_compiled(mode):

@@ -1,6 +1,6 @@
-"""Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1 and Q4_K copied as int4 without loss, other
-types dequantized and quantized again with a notice (int8 where they hold more bits than int4, as Q5_0 and
-Q8_0 do), floats kept unquantized; what the import does not take refused in one line. The files are
+"""Any llama-architecture GGUF file as a checkpoint: Q4_0, Q4_1, Q4_K, IQ4_NL and IQ4_XS copied as int4 without
+loss, other types dequantized and quantized again with a notice (int8 where they hold more bits than int4, as
+Q5_0 and Q8_0 do), floats kept unquantized; what the import does not take refused in one line. The files are
 random weights in SmolLM2-135M's shape, two layers, with the bundled model's tokenizer
 (scripts/make_gguf.py)."""
 
@@ -33,13 +33,13 @@ def files(bundled_checkpoint, tmp_path_factory):
     """A small GGUF file of each type, made once: {type: path}."""
     folder = tmp_path_factory.mktemp("gguf")
     files = {kind: make_gguf(folder / f"tiny-{kind}.gguf", "SmolLM2-135M", kind, n_layer=2)
-             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "F16")}
+             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "F16")}
     # as llama-quantize's K-quant mixes: Q4_K where a matrix's rows allow (ffn_down's 1536 inputs; Q5_0 where
-    # not), some matrices in more bits (Q8_0, in layer 1), and layer 0's wqkv joining Q4_1 q and k to an
-    # IQ4_NL v (fewer bits than int4: rounded to it)
+    # not), some matrices in more bits (Q8_0, in layer 1); and beyond them, layer 0's wqkv joining Q4_1 q and k
+    # to an IQ4_NL v (one table of levels a linear: v rounded to int4), and its wo all IQ4_NL (copied)
     files["Q4_K"] = make_gguf(folder / "tiny-Q4_K.gguf", "SmolLM2-135M", "Q4_K", n_layer=2, tensor_types={
         "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1", "blk.0.attn_v.weight": "IQ4_NL",
-        "blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
+        "blk.0.attn_output.weight": "IQ4_NL", "blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
     return files
 
 
@@ -65,42 +65,60 @@ def converted(path: Path, out: Path, capfd) -> tuple[dict, dict, dict, str]:
     return ours, metadata, source_weights(path, load_config(checkpoint)), said
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_q4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
+def dequantized(ours: dict, scheme: quantize.Int4GGUF, name: str) -> torch.Tensor:
+    """Our int4 linear `name`'s weight, its levels IQ4_LEVELS where the scheme says so."""
+    levels = torch.tensor(quantize.IQ4_LEVELS, dtype=torch.int8) if name in scheme.iq4_layers else None
+    return quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"], levels=levels)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS"])
+def test_q4_and_iq4_weights_are_copied_without_loss(files, tmp_path, capfd, kind):
+    """IQ4_XS's scales d (ls - 32) to fp16's precision; the 135M shape's rows of 576 inputs fall back to IQ4_NL
+    in its file, as llama-quantize's do, and ffn_down's 1536 are IQ4_XS."""
     ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
-    assert type(quantize.read_scheme(metadata)) is quantize.Int4GGUF
+    scheme = quantize.read_scheme(metadata)
+    assert type(scheme) is quantize.Int4GGUF
+    assert scheme.iq4_layers == (set(source) if kind.startswith("IQ4") else set())
     assert len(source) == 4 * 2
     for name, w in source.items():
-        mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
-        assert torch.equal(mine, w), name
+        mine = dequantized(ours, scheme, name)
+        if kind == "IQ4_XS" and name.endswith("w2"):
+            assert 0 < (mine - w).abs().max() <= 2 ** -11 * w.abs().max(), name
+        else:
+            assert torch.equal(mine, w), name
     assert "dequantized" not in said  # the embedding table (Q8_0) is not one of the linears: no notice
 
 
 @torch.no_grad()
 def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(files, tmp_path, capfd):
-    """Q4_K's and Q4_1's weights are copied (Q4_K's scales d sc and mins dmin mn to fp16's precision); a linear
-    of ours held in part in more bits a weight than int4 holds (Q5_0, Q8_0) is int8, the others int4, copying
-    what is Q4 in them and rounding the rest; the notice says which types were rounded to what. The mixed
-    model loads and computes as its weights say."""
+    """Q4_K's and Q4_1's weights are copied (Q4_K's scales d sc and mins dmin mn to fp16's precision), and a
+    linear all IQ4_NL; a linear of ours held in part in more bits a weight than int4 holds (Q5_0, Q8_0) is int8,
+    the others int4, copying what is Q4 in them and rounding the rest (fitted to its levels); the notices say
+    which types were rounded to what. The mixed model loads and computes as its weights say."""
     ours, metadata, source, said = converted(files["Q4_K"], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
     assert type(scheme) is quantize.Int4GGUF
     assert scheme.int8_layers == {f"layers.{i}.{name}" for i, name in [
-        (0, "attention.wo"), (0, "feed_forward.w13"), (1, "attention.wqkv"), (1, "attention.wo"),
-        (1, "feed_forward.w13"), (1, "feed_forward.w2")]}
-    assert said.count("dequantized") == 2 and "its IQ4_NL weights are dequantized and quantized again as int4" in said
+        (0, "feed_forward.w13"), (1, "attention.wqkv"), (1, "attention.wo"), (1, "feed_forward.w13"),
+        (1, "feed_forward.w2")]}
+    assert scheme.iq4_layers == {"layers.0.attention.wo"}
+    assert said.count("dequantized") == 2, said
+    assert "its IQ4_NL weights that a linear of ours joins to Q4 ones are dequantized and quantized again" in said
     assert "its Q5_0, Q8_0 weights are dequantized and quantized again as int8 (per output channel)" in said, said
 
     def mine(name: str) -> torch.Tensor:
         if name in scheme.int8_layers:
             return ours[f"{name}.weight"].float() * ours[f"{name}.scales"].float()[:, None]
-        return quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
+        return dequantized(ours, scheme, name)
 
     w = source["layers.0.feed_forward.w2"]  # Q4_K
     assert 0 < (mine("layers.0.feed_forward.w2") - w).abs().max() <= 2 ** -10 * w.abs().max()
+    assert torch.equal(mine("layers.0.attention.wo"), source["layers.0.attention.wo"])  # IQ4_NL
     w, qk = source["layers.0.attention.wqkv"], 576 + 192  # Q4_1 q and k copied, then an IQ4_NL v rounded to int4
     assert torch.equal(mine("layers.0.attention.wqkv")[:qk], w[:qk])
-    assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).norm() <= 0.08 * w[qk:].norm()
+    # each group's scale and min fitted to IQ4_NL's uneven levels: nearer than from its min to its max
+    plain = quantize.dequantize_int4(*quantize.rtn_int4(w[qk:], 32))
+    assert 0 < (mine("layers.0.attention.wqkv")[qk:] - w[qk:]).norm() < 0.95 * (plain - w[qk:]).norm()
     for name in scheme.int8_layers:  # Q5_0 or Q8_0, or both
         assert (mine(name) - source[name]).abs().max() <= 0.01 * source[name].abs().max()
 
@@ -108,6 +126,7 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     # loaded as the other kind, or with another's weights, would be far
     model = gen.load_model(tmp_path / "out" / CHECKPOINT_NAME, "cpu", "fp32")
     assert [type(layer.attention.wqkv).__name__ for layer in model.layers] == ["Int4Linear", "Int8Linear"]
+    assert model.layers[0].attention.wo.iq4 and not model.layers[0].attention.wqkv.iq4
     reference = gen.load_model(convert.import_gguf(files["Q4_K"], tmp_path / "exact"), "cpu", "fp32")
     for name in source:
         reference.get_submodule(name).weight.copy_(mine(name))
@@ -119,8 +138,7 @@ def test_a_k_quant_mix_keeps_each_linear_as_near_the_file_as_its_bits_allow(file
     assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.02), ("Q5_0", "int8", 0.02),
-                                                   ("IQ4_NL", "int4", 0.08), ("F16", None, 0.005)])
+@pytest.mark.parametrize("kind, mode, tolerance", [("Q8_0", "int8", 0.02), ("Q5_0", "int8", 0.02), ("F16", None, 0.005)])
 def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tmp_path, capfd, kind, mode, tolerance):
     ours, metadata, source, said = converted(files[kind], tmp_path / "out", capfd)
     scheme = quantize.read_scheme(metadata)
@@ -130,11 +148,6 @@ def test_other_types_are_dequantized_and_quantized_again_with_a_notice(files, tm
     for name, w in source.items():
         if mode == "int8":
             mine = ours[f"{name}.weight"].float() * ours[f"{name}.scales"].float()[:, None]
-        elif mode == "int4":
-            mine = quantize.dequantize_int4(ours[f"{name}.weight"], ours[f"{name}.scales"], ours[f"{name}.mins"])
-            # each group's scale and min fitted to IQ4_NL's uneven levels: nearer than from its min to its max
-            plain = quantize.dequantize_int4(*quantize.rtn_int4(w, 32))
-            assert (mine - w).norm() < 0.95 * (plain - w).norm(), name
         else:
             mine = ours[f"{name}.weight"].float()
         assert (mine - w).norm() <= tolerance * w.norm(), name  # relative to the weight's norm

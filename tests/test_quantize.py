@@ -244,6 +244,32 @@ def test_the_int4_kernel_of_our_own_keeps_scales_and_mins_exact(dtype):
     assert rel_err(y, F.linear(as_the_kernel_takes(x, k, 4), w_ref)) < 1e-5
 
 
+@pytest.mark.parametrize("kernel", [
+    pytest.param("cpu-tiles", marks=pytest.mark.skipif(cpu_decode.int4_kernel() is None,
+                                                        reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")),
+    "dequantize", "cpu"])
+def test_iq4_levels_are_looked_up_by_our_kernel_and_the_weight_rounded_for_others(kernel):
+    """An IQ4 linear (a GGUF file's IQ4_NL or IQ4_XS weights, copied): its 4 bits stand for IQ4_LEVELS, times an
+    fp16 scale a group. cpu_linear.cpp looks them up, to fp32's precision (x as it takes it); the dequantizing
+    path holds them in bf16; a kernel of levels 0 .. 15 gets the weight rounded to them, near."""
+    n, k, g = 64, 256, 32
+    m = Int4Linear(k, n, g, dtype=torch.float16, iq4=True)
+    m.weight.copy_(pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)))
+    m.scales.copy_((torch.rand(n, k // g) + 0.5) / 1000 * torch.where(torch.rand(n, k // g) < 0.2, -1, 1))
+    m.mins.zero_()
+    w_ref = dequantize_int4(m.weight, m.scales, m.mins, levels=torch.tensor(quantize.IQ4_LEVELS, dtype=torch.int8))
+    m.pack(kernel)
+    assert (m.levels is not None) == (kernel == "cpu-tiles")
+    x = torch.randn(5, k).bfloat16()
+    with torch.no_grad():
+        y = m(x)
+    if kernel == "cpu-tiles":
+        y = quantize.int4_matmul(m.kernel, x, m.weight, g, m.scales_and_zeros, m.levels)
+        assert rel_err(y, F.linear(as_the_kernel_takes(x, k, 4), w_ref)) < 1e-5
+    else:
+        assert rel_err(y, F.linear(x.float(), w_ref)) <= (BF16_RTOL if kernel == "dequantize" else 0.15)
+
+
 @pytest.mark.skipif(cpu_decode.int4_kernel() is None, reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 def test_the_int4_kernel_of_our_own_gives_a_row_the_same_numbers_alone_and_in_a_batch():
     """Its passes take 1 to 4 rows; each row's sums are added in one order whatever the others, so that a
@@ -494,7 +520,7 @@ class TensorInt8(quantize.Scheme):
 
         return [(f"{base}.weight", torch.int8, shape), (f"{base}.scale", torch.bfloat16, ())], make
 
-    def module(self, old: torch.nn.Linear) -> torch.nn.Module:
+    def module(self, old: torch.nn.Linear, name: str) -> torch.nn.Module:
         return self.Linear(old.in_features, old.out_features, old.weight.device)
 
 

@@ -26,14 +26,17 @@ from fastllama.checkpoint import load_config, read_safetensors  # noqa: E402
 def weight_errors(path: Path, checkpoint: Path) -> dict[str, float]:
     """Each GGUF weight type's relative error (norm of the difference over the norm) in our checkpoint."""
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    ours, _ = read_safetensors(checkpoint)
+    ours, metadata = read_safetensors(checkpoint)
+    iq4 = quantize.read_scheme(metadata).iq4_layers if "quantization" in metadata else ()
     errors = {}  # type -> [sum of squared differences, sum of squares]
     for name, parts in convert.gguf_names(load_config(checkpoint)).items():
         base = name.removesuffix(".weight")
         if not base.startswith("layers.") or name.endswith("norm.weight"):
             continue
         if f"{base}.mins" in ours:
-            mine = quantize.dequantize_int4(ours[f"{base}.weight"], ours[f"{base}.scales"], ours[f"{base}.mins"])
+            levels = torch.tensor(quantize.IQ4_LEVELS, dtype=torch.int8) if base in iq4 else None
+            mine = quantize.dequantize_int4(ours[f"{base}.weight"], ours[f"{base}.scales"], ours[f"{base}.mins"],
+                                            levels=levels)
         elif f"{base}.scales" in ours:
             mine = ours[f"{base}.weight"].float() * ours[f"{base}.scales"].float()[:, None]
         else:
