@@ -240,6 +240,43 @@ needs_bf16_kernel = pytest.mark.skipif(cpu_decode.bf16_kernel() is None,
                                        reason="bf16 tiles are used on CPUs with AVX-512 BF16, where a compiler builds them")
 
 
+# cpu_linear.cpp built for AVX2 only, in a process of its own (its ops have the names of the native build's):
+# each product of the inputs in argv[2], saved to argv[3]
+AVX2_PRODUCTS = """
+import sys, torch
+from torch.utils import cpp_extension
+cpp_extension.load("fastllama_cpu_linear_avx2_form", [sys.argv[1]], extra_cflags=["-O3", "-march=x86-64-v3", "-fopenmp"],
+                   is_python_module=False)
+products = {name: getattr(torch.ops.fastllama, op)(*args) for name, (op, args) in torch.load(sys.argv[2]).items()}
+torch.save(products, sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(cpu_decode.bf16_kernel() is None, reason="against the AVX-512 form: a CPU with AVX-512 BF16")
+@torch.no_grad()
+def test_the_products_avx2_form_gives_the_avx512_forms_numbers(tmp_path):
+    """cpu_linear.cpp's AVX2 form, built apart (x86-64-v3) and run in a process of its own, gives the AVX-512 form's
+    numbers for each product to fp32's rounding (their integer sums are the same): a machine with AVX-512 tests what
+    AVX2 machines run. int4, int4 with IQ4's levels looked up, int8 and bf16 tiles; 6 rows, passes of 4 and 2."""
+    n, k = 64, 256
+    x = torch.randn(6, k).bfloat16()
+    scales, mins = (torch.rand(n, k // 32) / 100).half(), (torch.randn(n, k // 32) / 100).half()
+    w4, sm = quantize.int4_rows_layout(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scales, mins)
+    iq4 = torch.tensor(quantize.IQ4_LEVELS, dtype=torch.int8)
+    w8 = quantize.int8_rows_layout(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+    tiles = cpu_decode.tiles_layout(torch.randn(n, k).bfloat16())
+    inputs = {"int4": ("int4_rows", (x, w4, sm, None)), "iq4": ("int4_rows", (x, w4, sm, iq4)),
+              "int8": ("int8_rows", (x, w8)), "bf16": ("bf16_rows", (x, tiles))}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    source = Path(cpu_decode.__file__).with_name("cpu_linear.cpp")
+    run = subprocess.run([sys.executable, "-c", AVX2_PRODUCTS, str(source), str(tmp_path / "inputs.pt"),
+                          str(tmp_path / "avx2.pt")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    for name, (op, args) in inputs.items():
+        assert relative_error(avx2[name], getattr(torch.ops.fastllama, op)(*args)) < 1e-5, name
+
+
 @pytest.mark.skipif(not cpu_decode.linear_kernels(), reason="cpu_linear.cpp needs AVX2 or AVX-512 and a C++ compiler")
 @pytest.mark.parametrize("n, k", [(48, 64), (112, 576), (16, 2)])  # groups of 3 tiles; 4 and 3; one tile
 @torch.no_grad()
