@@ -96,7 +96,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix="dequantized-") as dequantized:
         # bf16: what the unquantized tensors (embeddings, norms) are kept in, and near enough for rounding
-        # the others again (Q4_0, Q4_1 and Q4_K linears are copied from the GGUF itself)
+        # the others again (Q4_0, Q4_1, Q4_K and IQ4 linears are copied from the GGUF itself)
         source = convert.import_gguf(gguf_path, Path(dequantized), torch.bfloat16, contents)
         return quantize.quantize(source, mode, output=out_dir / CHECKPOINT_NAME)
 

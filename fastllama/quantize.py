@@ -578,7 +578,7 @@ class Int4GGUF(Int4):
     @classmethod
     def from_options(cls, groupsize: int, **calibration) -> "Int4GGUF":
         if groupsize != 32:
-            raise UserError("int4-gguf keeps the GGUF's Q4_0, Q4_1 and Q4_K groups of 32: leave out --groupsize")
+            raise UserError("int4-gguf keeps the GGUF's Q4 and IQ4 groups of 32: leave out --groupsize")
         return cls()
 
     @classmethod
@@ -993,7 +993,7 @@ def cli():
                                 allow_abbrev=False)
     p.add_argument("--checkpoint_path", type=Path, default=None, help="default: the bundled model")
     p.add_argument("--mode", required=True,
-                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4_0/Q4_1/Q4_K weights losslessly)")
+                   help=f"one of {', '.join(SCHEMES)} (int4-gguf: copy a GGUF import's Q4 and IQ4 weights losslessly)")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 group size, one of {GROUPSIZES}")
     p.add_argument("--calibration_file", type=Path, default=None,
                    help="text to calibrate GPTQ on (default: the documentation text that ships with Python)")

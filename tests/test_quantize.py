@@ -597,7 +597,7 @@ def test_already_quantized(int8_file, tmp_path):
 
 
 def test_int4_gguf_keeps_groups_of_32(bundled_checkpoint, tmp_path):
-    with pytest.raises(UserError, match="int4-gguf keeps the GGUF's Q4_0, Q4_1 and Q4_K groups of 32: leave out --groupsize"):
+    with pytest.raises(UserError, match="int4-gguf keeps the GGUF's Q4 and IQ4 groups of 32: leave out --groupsize"):
         quantize.quantize(bundled_checkpoint, "int4-gguf", 64, output=tmp_path / "out.safetensors")
     assert list(tmp_path.iterdir()) == []
 
