@@ -343,7 +343,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path) -> Path:
 # GGUF files: the bundled model, and any llama-architecture file a user has
 
 # what a GGUF file's linears become (gguf_mode): Q4_0, Q4_1 and Q4_K are int4's own layout (at groupsize
-# 32) and copied as they are (quantize.q4_levels), and so are IQ4_NL and IQ4_XS, int4 whose 4 bits stand for
+# 32) and copied as they are (q4_levels), and so are IQ4_NL and IQ4_XS, int4 whose 4 bits stand for
 # 16 levels of their own (quantize.IQ4_LEVELS), in a linear of ours that holds nothing else; other types are
 # dequantized, then quantized again (with a notice): to int8 where they hold more bits a weight than int4
 # (gguf_int8_types), else to int4; and a float file stays unquantized
@@ -587,6 +587,47 @@ def gguf_names(args: ModelArgs) -> dict[str, list[tuple[str, int | None]]]:
         names[ours + "attention_norm.weight"] = [(b + "attn_norm.weight", None)]
         names[ours + "ffn_norm.weight"] = [(b + "ffn_norm.weight", None)]
     return names
+
+
+def q4_levels(tensor, heads: int | None) -> list[torch.Tensor]:
+    """A GGUF file's Q4_0, Q4_1, Q4_K, IQ4_NL or IQ4_XS tensor as int4's levels (a byte each, unpacked) and fp16
+    scales and mins, its rows in our order (llama.cpp interleaves each of `heads` heads' rotary halves: None
+    where it did not). Q4_0: blocks of 32, fp16 d, w = d (q - 8) (a min of -8d); Q4_1: w = d q + m, fp16 m too;
+    Q4_K: blocks of 256 with fp16 d and dmin, and for each group of 32 a 6-bit sc and mn, w = d sc q - dmin mn.
+    IQ4_NL: as Q4_0, w = d quantize.IQ4_LEVELS[q] (a min of 0); IQ4_XS: blocks of 256 with fp16 d, and for each
+    group of 32 a 6-bit ls, w = d (ls - 32) IQ4_LEVELS[q]."""
+    kind, raw = tensor.tensor_type.name, torch.from_numpy(tensor.data.copy())
+    if kind == "Q4_K":
+        blocks = raw.view(raw.shape[0], -1, 144)  # (rows, k/256, d dmin sc-and-mn qs)
+        d, dmin = (blocks[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        s = blocks[..., 4:16].int()  # groups 0-3: sc, mn in 6 bits; 4-7: 4 bits in bytes 8-11, 2 atop bytes 0-7
+        sc = torch.cat([s[..., :4] & 63, s[..., 8:] & 15 | s[..., :4] >> 6 << 4], dim=-1)
+        mn = torch.cat([s[..., 4:8] & 63, s[..., 8:] >> 4 | s[..., 4:8] >> 6 << 4], dim=-1)
+        qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)  # 32 bytes: a group's levels low, the next's high
+        levels = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(blocks.shape[0], -1)
+        d, m = (d * sc).flatten(1).half(), (-dmin * mn).flatten(1).half()  # exact in fp32, then to fp16
+    elif kind == "IQ4_XS":
+        blocks = raw.view(raw.shape[0], -1, 136)  # (rows, k/256, d scales-high scales-low qs)
+        d = blocks[..., :2].contiguous().view(torch.float16).float()
+        high = blocks[..., 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # 2 bits of each group's ls
+        low = blocks[..., 4:8].int()  # 4 bits of each group's ls, group 2i's low, 2i + 1's high in byte i
+        ls = torch.stack([low & 15, low >> 4], dim=-1).flatten(-2) | (high >> 2 * torch.arange(8) & 3) << 4
+        qs = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)  # each group as IQ4_NL's: low nibbles first
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)
+        d = (d * (ls - 32)).flatten(1).half()  # exact in fp32, then to fp16
+        m = torch.zeros_like(d)
+    else:
+        size = {"Q4_0": 18, "Q4_1": 20, "IQ4_NL": 18}[kind]
+        blocks = raw.view(raw.shape[0], -1, size)  # (rows, k/32, d [m] qs)
+        qs = blocks[..., size - 16:]
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # low nibbles first
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]  # (rows, k/32)
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        else:
+            m = d * -8 if kind == "Q4_0" else torch.zeros_like(d)  # exact: a power of 2
+    parts = [levels, d, m]
+    return parts if heads is None else [unpermute_rows(p, heads) for p in parts]
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
