@@ -7,8 +7,8 @@ is loaded at once and a round takes each format's pair in turn, so that the form
 median ms at each depth over the first format's, and the quartiles of the rounds' ratios (issue 49 asks the int8
 cache to be faster than bf16 from 2k on). A format FORMAT@VARIANT.cpp has its attention read by VARIANT.cpp, a
 cpu_attention.cpp to try, built under an op namespace of its own, against the checkout's kernel for FORMAT beside it.
-benchmark_depths.py times each depth's runs of 16 steps apart, seconds to
-minutes from the first depth's, and each format's after the other's.
+benchmark_depths.py times each depth's runs of 16 steps apart, seconds to minutes from the first depth's, and each
+format's after the other's.
 
     python benchmarks/results/cpu-kv-read-paired.py GGUF FORMATS DEPTH0 DEPTH [DEPTH ...] [--pairs N]
     python benchmarks/results/cpu-kv-read-paired.py bundled.gguf bf16,int8 16 2048 7000
